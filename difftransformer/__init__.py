@@ -1,0 +1,17 @@
+"""difftransformer: the Differential Transformer (Ye et al., ICLR 2025), faithful and fast."""
+
+from difftransformer.attention import MultiheadAttention, MultiheadDiffAttn, MultiheadDiffAttnV2
+from difftransformer.config import ModelConfig
+from difftransformer.model import TransformerLM, count_parameters
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ModelConfig",
+    "MultiheadAttention",
+    "MultiheadDiffAttn",
+    "MultiheadDiffAttnV2",
+    "TransformerLM",
+    "count_parameters",
+    "__version__",
+]

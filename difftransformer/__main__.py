@@ -1,0 +1,5 @@
+import sys
+
+from difftransformer.cli import main
+
+sys.exit(main())

@@ -1,0 +1,87 @@
+"""What the three attention modules share: argument checks, masks and rotary angles."""
+
+from __future__ import annotations
+
+import torch
+
+from difftransformer.attention.kernels import softmax_dtype
+from difftransformer.rotary import apply_rotary, rotary_angles
+
+
+def check_heads(embed_dim: int, num_heads: int, num_kv_heads: int, per_head: int, what: str) -> int:
+    """Validate the head counts; return the head size ``embed_dim // (per_head * num_heads)``."""
+    if num_heads < 1 or num_kv_heads < 1:
+        raise ValueError(f"num_heads ({num_heads}) and num_kv_heads ({num_kv_heads}) must be at least 1")
+    if embed_dim % (per_head * num_heads):
+        raise ValueError(
+            f"embed_dim {embed_dim} is not divisible by {per_head} * num_heads = {per_head * num_heads} "
+            f"({what}); choose embed_dim a multiple of {per_head * num_heads} or another num_heads"
+        )
+    if num_heads % num_kv_heads:
+        raise ValueError(
+            f"num_heads {num_heads} is not divisible by num_kv_heads {num_kv_heads}: each key/value group "
+            f"must serve the same number of query heads; choose num_kv_heads among the divisors of {num_heads}"
+        )
+    return embed_dim // (per_head * num_heads)
+
+
+def check_rotary(head_dim: int, rope_theta: float | None) -> None:
+    if rope_theta is not None and head_dim % 2:
+        raise ValueError(
+            f"rotary embedding needs an even head size, got {head_dim}; change embed_dim or num_heads, "
+            "or pass rope_theta=None for no rotary embedding"
+        )
+
+
+def rotary_for(
+    positions: torch.Tensor | None, seq_len: int, head_dim: int, theta: float, like: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin for ``positions`` ((T,) or (B, T) integers), or for 0..T-1 when None, on ``like``'s device."""
+    device = like.device
+    if positions is None:
+        positions = torch.arange(seq_len, device=device)
+    elif positions.shape[-1] != seq_len:
+        raise ValueError(f"positions has {positions.shape[-1]} entries for a sequence of {seq_len} tokens")
+    return rotary_angles(positions, head_dim, theta, softmax_dtype(like))
+
+
+def expand_mask(mask: torch.Tensor | None, batch: int, tq: int, tk: int) -> torch.Tensor | None:
+    """Normalise an attention mask to a boolean (B|1, 1, Tq, Tk) tensor, True where attention is allowed.
+
+    Accepts a key padding mask (B, Tk) (True for real tokens), or a full mask (B, Tq, Tk) or
+    (B|1, 1, Tq, Tk). The mask combines with causality; it does not replace it.
+    """
+    if mask is None:
+        return None
+    if mask.dtype != torch.bool:
+        raise ValueError(f"attention mask must be boolean (True = may attend), got dtype {mask.dtype}")
+    if mask.dim() == 2:
+        mask = mask[:, None, None, :]
+    elif mask.dim() == 3:
+        mask = mask[:, None]
+    if mask.dim() != 4 or mask.shape[0] not in (1, batch) or mask.shape[1] != 1 or mask.shape[-1] != tk:
+        raise ValueError(
+            f"attention mask of shape {tuple(mask.shape)} does not fit batch {batch}, {tq} queries and {tk} "
+            "keys; give (B, Tk), (B, Tq, Tk) or (B, 1, Tq, Tk)"
+        )
+    if mask.shape[2] not in (1, tq):
+        raise ValueError(f"attention mask has {mask.shape[2]} query rows for {tq} queries")
+    return mask.expand(mask.shape[0], 1, tq, tk)
+
+
+def project_heads(
+    attn: torch.nn.Module, x: torch.Tensor, positions: torch.Tensor | None, num_q_heads: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q (B, num_q_heads, T, d), k and v (B, Hkv, T, d) with rotary applied, for the softmax-attention modules.
+
+    ``attn`` provides q_proj, k_proj, v_proj, head_dim, num_kv_heads and rope_theta.
+    """
+    b, t, _ = x.shape
+    d = attn.head_dim
+    q = attn.q_proj(x).view(b, t, num_q_heads, d)
+    k = attn.k_proj(x).view(b, t, attn.num_kv_heads, d)
+    v = attn.v_proj(x).view(b, t, attn.num_kv_heads, d)
+    if attn.rope_theta is not None:
+        cos, sin = rotary_for(positions, t, d, attn.rope_theta, x)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)

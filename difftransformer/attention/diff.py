@@ -1,0 +1,139 @@
+"""Differential attention, V1 (Ye et al., ICLR 2025; PAPER.md section 1).
+
+For differential head h with query halves q1, q2 and key halves k1, k2 of size d, and a value of width 2d:
+
+    A     = (softmax(q1 k1^T / sqrt(d)) - lambda * softmax(q2 k2^T / sqrt(d))) v
+    lambda = exp(lambda_q1 . lambda_k1) - exp(lambda_q2 . lambda_k2) + lambda_init
+    lambda_init = 0.8 - 0.6 * exp(-0.3 * layer_idx)
+    o_h   = RMSNorm_2d(A) * (1 - lambda_init)
+    out   = out_proj(concat_h o_h)
+
+The parameters are named and laid out as in the reference code, so its state_dict loads unchanged:
+q_proj rows are (H, 2, d) (half-head 2h+c is component c of head h), k_proj rows (Hkv, 2, d) and
+v_proj rows (Hkv, 2d). Query head h reads key/value group h // (H // Hkv) for both maps.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from difftransformer.attention.common import check_heads, check_rotary, expand_mask, rotary_for
+from difftransformer.attention.kernels import DIFF_IMPLS, diff_attention, diff_attention_plain, softmax_dtype
+from difftransformer.layers import RMSNorm
+from difftransformer.rotary import apply_rotary
+
+
+def lambda_init_fn(layer_idx: int) -> float:
+    """The paper's lambda_init schedule, with layer_idx counted from 0."""
+    return 0.8 - 0.6 * math.exp(-0.3 * layer_idx)
+
+
+class MultiheadDiffAttn(nn.Module):
+    """Multi-head differential attention with ``num_heads`` differential heads.
+
+    Eight differential heads have the parameters of a sixteen-head standard attention of the same width.
+    ``num_kv_heads`` (a divisor of ``num_heads``) gives grouped-query attention; None means one group per head.
+    """
+
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        layer_idx: int,
+        num_kv_heads: int | None = None,
+        rope_theta: float | None = 10000.0,
+        norm_eps: float = 1e-5,
+        causal: bool = True,
+        impl: str = "auto",
+    ) -> None:
+        super().__init__()
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        self.head_dim = check_heads(embed_dim, num_heads, num_kv_heads, 2, "two half-heads per differential head")
+        check_rotary(self.head_dim, rope_theta)
+        if layer_idx < 0:
+            raise ValueError(f"layer_idx counts layers from 0, got {layer_idx}")
+        if impl not in DIFF_IMPLS:
+            raise ValueError(f"unknown impl {impl!r}; choose one of {DIFF_IMPLS}")
+        self.embed_dim, self.num_heads, self.num_kv_heads = embed_dim, num_heads, num_kv_heads
+        self.layer_idx, self.rope_theta, self.causal, self.impl = layer_idx, rope_theta, causal, impl
+        self.scaling = self.head_dim**-0.5
+        d = self.head_dim
+        self.q_proj = nn.Linear(embed_dim, 2 * num_heads * d, bias=False)
+        self.k_proj = nn.Linear(embed_dim, 2 * num_kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(embed_dim, 2 * num_kv_heads * d, bias=False)
+        self.out_proj = nn.Linear(2 * num_heads * d, embed_dim, bias=False)
+        self.lambda_init = lambda_init_fn(layer_idx)
+        self.lambda_q1 = nn.Parameter(torch.empty(d, dtype=torch.float32))
+        self.lambda_k1 = nn.Parameter(torch.empty(d, dtype=torch.float32))
+        self.lambda_q2 = nn.Parameter(torch.empty(d, dtype=torch.float32))
+        self.lambda_k2 = nn.Parameter(torch.empty(d, dtype=torch.float32))
+        self.subln = RMSNorm(2 * d, eps=norm_eps)
+        self.reset_lambda()
+
+    @classmethod
+    def from_config(cls, cfg, layer_idx: int) -> MultiheadDiffAttn:
+        """The matched pair (PAPER.md section 2): half the standard heads and groups, same head size."""
+        half_heads = dict(num_heads=cfg.n_heads // 2, num_kv_heads=cfg.n_kv_heads // 2)
+        return cls(
+            cfg.d_model,
+            layer_idx=layer_idx,
+            rope_theta=cfg.rope_theta,
+            norm_eps=cfg.norm_eps,
+            impl=cfg.attn_impl,
+            **half_heads,
+        )
+
+    def reset_lambda(self, generator: torch.Generator | None = None) -> None:
+        """Re-draw the four lambda vectors from N(0, 0.1) and reset the per-head norm."""
+        for p in (self.lambda_q1, self.lambda_k1, self.lambda_q2, self.lambda_k2):
+            nn.init.normal_(p, mean=0.0, std=0.1, generator=generator)
+        self.subln.reset_parameters()
+
+    def lambda_full(self) -> torch.Tensor:
+        """The current lambda: a float32 scalar shared by all heads of this layer."""
+        dtype = softmax_dtype(self.lambda_q1)
+        lambda_1 = torch.exp(torch.sum(self.lambda_q1.to(dtype) * self.lambda_k1.to(dtype)))
+        lambda_2 = torch.exp(torch.sum(self.lambda_q2.to(dtype) * self.lambda_k2.to(dtype)))
+        return lambda_1 - lambda_2 + self.lambda_init
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+        need_weights: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """x: (B, T, D) -> (B, T, D); with need_weights also the differential map (B, H, T, T).
+
+        mask: boolean, (B, T) key padding or (B, T, T) / (B, 1, T, T), True where attention is allowed.
+        positions: (T,) or (B, T) integer positions for the rotary embedding (default 0..T-1).
+        """
+        b, t, _ = x.shape
+        d = self.head_dim
+        q = self.q_proj(x).view(b, t, self.num_heads, 2, d)
+        k = self.k_proj(x).view(b, t, self.num_kv_heads, 2, d)
+        v = self.v_proj(x).view(b, t, self.num_kv_heads, 2 * d)
+        if self.rope_theta is not None:
+            cos, sin = rotary_for(positions, t, d, self.rope_theta, x)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q = q.permute(0, 2, 3, 1, 4)  # (B, H, 2, T, d)
+        k = k.permute(0, 2, 3, 1, 4)  # (B, Hkv, 2, T, d)
+        v = v.transpose(1, 2)  # (B, Hkv, T, 2d)
+        mask = expand_mask(mask, b, t, t)
+        lam = self.lambda_full()
+        if need_weights:
+            attn, weights = diff_attention_plain(q, k, v, lam, scale=self.scaling, causal=self.causal, mask=mask)
+        else:
+            attn = diff_attention(q, k, v, lam, scale=self.scaling, causal=self.causal, mask=mask, impl=self.impl)
+        attn = self.subln(attn) * (1 - self.lambda_init)  # (B, H, T, 2d)
+        out = self.out_proj(attn.transpose(1, 2).reshape(b, t, 2 * self.num_heads * d))
+        return (out, weights) if need_weights else out
+
+    def extra_repr(self) -> str:
+        return (
+            f"num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
+            f"layer_idx={self.layer_idx}, lambda_init={self.lambda_init:.4f}, impl={self.impl!r}"
+        )

@@ -1,0 +1,61 @@
+"""Standard multi-head softmax attention: the matched baseline (PAPER.md section 2).
+
+The same call interface as MultiheadDiffAttn. ``num_heads`` heads of size ``embed_dim // num_heads``;
+``num_kv_heads`` groups for GQA / MQA.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from difftransformer.attention.common import check_heads, check_rotary, expand_mask, project_heads
+from difftransformer.attention.kernels import standard_attention
+
+
+class MultiheadAttention(nn.Module):
+    """Causal (by default) multi-head attention with rotary embedding and grouped keys/values."""
+
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        layer_idx: int,
+        num_kv_heads: int | None = None,
+        rope_theta: float | None = 10000.0,
+        causal: bool = True,
+    ) -> None:
+        super().__init__()
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        self.head_dim = check_heads(embed_dim, num_heads, num_kv_heads, 1, "one head of size embed_dim/num_heads")
+        check_rotary(self.head_dim, rope_theta)
+        self.embed_dim, self.num_heads, self.num_kv_heads = embed_dim, num_heads, num_kv_heads
+        self.layer_idx, self.rope_theta, self.causal = layer_idx, rope_theta, causal
+        self.scaling = self.head_dim**-0.5
+        d = self.head_dim
+        self.q_proj = nn.Linear(embed_dim, num_heads * d, bias=False)
+        self.k_proj = nn.Linear(embed_dim, num_kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(embed_dim, num_kv_heads * d, bias=False)
+        self.out_proj = nn.Linear(num_heads * d, embed_dim, bias=False)
+
+    @classmethod
+    def from_config(cls, cfg, layer_idx: int) -> MultiheadAttention:
+        return cls(cfg.d_model, cfg.n_heads, layer_idx, cfg.n_kv_heads, cfg.rope_theta)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+        need_weights: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """x: (B, T, D) -> (B, T, D); with need_weights also the softmax map (B, num_heads, T, T)."""
+        b, t, _ = x.shape
+        d = self.head_dim
+        q, k, v = project_heads(self, x, positions, self.num_heads)  # (B, heads, T, d)
+        mask = expand_mask(mask, b, t, t)
+        attn, weights = standard_attention(
+            q, k, v, scale=self.scaling, causal=self.causal, mask=mask, need_weights=need_weights
+        )
+        out = self.out_proj(attn.transpose(1, 2).reshape(b, t, self.num_heads * d))
+        return (out, weights) if need_weights else out

@@ -1,0 +1,154 @@
+"""ModelConfig: the decoder's shape, validated, with named presets and a JSON round trip."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ATTENTION_KINDS = ("diff", "diff_v2", "standard")
+ATTN_IMPLS = ("auto", "sdpa", "block", "plain")
+FFN_MULTIPLE = 64
+
+
+def default_ffn_dim(d_model: int) -> int:
+    """8/3 * d_model (SwiGLU with the parameters of a 4x MLP), rounded up to a multiple of 64."""
+    return FFN_MULTIPLE * math.ceil(8 * d_model / 3 / FFN_MULTIPLE)
+
+
+@dataclass
+class ModelConfig:
+    """Shape of a TransformerLM.
+
+    ``n_heads`` and ``n_kv_heads`` count the heads of the matched *standard* Transformer: with
+    ``attention="diff"`` the model uses ``n_heads // 2`` differential heads and ``n_kv_heads // 2`` key/value
+    groups of the same head size ``d_model // n_heads``, so flipping ``attention`` gives the paper's matched
+    pair (PAPER.md section 2). ``diff_v2`` keeps ``n_heads`` output heads and doubles the query heads.
+    """
+
+    vocab_size: int = 256
+    d_model: int = 128
+    n_layers: int = 6
+    n_heads: int = 8
+    n_kv_heads: int | None = None
+    ffn_dim: int | None = None
+    max_seq_len: int = 256
+    rope_theta: float | None = 10000.0
+    norm_eps: float = 1e-5
+    attention: str = "diff"
+    attn_impl: str = "auto"
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+    dropout: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.n_kv_heads is None:
+            self.n_kv_heads = self.n_heads
+        if self.ffn_dim is None:
+            self.ffn_dim = default_ffn_dim(self.d_model)
+        self._validate()
+
+    def _validate(self) -> None:
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "max_seq_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"ModelConfig.{name} must be a positive integer, got {value!r}")
+        if self.attention not in ATTENTION_KINDS:
+            raise ValueError(f"ModelConfig.attention must be one of {ATTENTION_KINDS}, got {self.attention!r}")
+        if self.attn_impl not in ATTN_IMPLS:
+            raise ValueError(f"ModelConfig.attn_impl must be one of {ATTN_IMPLS}, got {self.attn_impl!r}")
+        if self.d_model % self.n_heads:
+            raise ValueError(
+                f"d_model {self.d_model} is not divisible by n_heads {self.n_heads}; the head size is "
+                "d_model / n_heads, so pick n_heads among the divisors of d_model"
+            )
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(
+                f"n_heads {self.n_heads} is not divisible by n_kv_heads {self.n_kv_heads}; "
+                f"pick n_kv_heads among the divisors of {self.n_heads}"
+            )
+        if self.attention == "diff" and (self.n_heads % 2 or self.n_kv_heads % 2):
+            raise ValueError(
+                f"attention='diff' uses n_heads // 2 differential heads and n_kv_heads // 2 groups, so both must "
+                f"be even; got n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads}"
+            )
+        if self.rope_theta is not None and (self.d_model // self.n_heads) % 2:
+            raise ValueError(
+                f"rotary embedding needs an even head size; d_model / n_heads = {self.d_model // self.n_heads}. "
+                "Change d_model or n_heads, or set rope_theta to None"
+            )
+        if self.rope_theta is not None and not self.rope_theta > 0:
+            raise ValueError(f"ModelConfig.rope_theta must be positive or None, got {self.rope_theta!r}")
+        if not self.norm_eps > 0 or not self.init_std > 0:
+            raise ValueError(f"norm_eps ({self.norm_eps}) and init_std ({self.init_std}) must be positive")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"ModelConfig.dropout must be in [0, 1), got {self.dropout!r}")
+
+    @property
+    def head_dim(self) -> int:
+        """Head size of the matched standard Transformer, which is also DIFF's half-head size d."""
+        return self.d_model // self.n_heads
+
+    @classmethod
+    def preset(cls, name: str, **overrides: Any) -> ModelConfig:
+        """A named configuration (see PRESETS), with fields overridden by keyword."""
+        if name not in PRESETS:
+            raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
+        return cls.from_dict({**PRESETS[name], **overrides})
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown ModelConfig field(s) {unknown}; known fields: {sorted(known)}")
+        return cls(**data)
+
+    def to_json(self, path: str | Path | None = None) -> str:
+        text = json.dumps(self.to_dict(), indent=2) + "\n"
+        if path is not None:
+            Path(path).write_text(text)
+        return text
+
+    @classmethod
+    def from_json(cls, source: str | Path) -> ModelConfig:
+        """From a JSON string or a path to a JSON file."""
+        text = str(source)
+        if not text.lstrip().startswith("{"):
+            path = Path(source)
+            if not path.is_file():
+                raise FileNotFoundError(f"model config {path} does not exist")
+            text = path.read_text()
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"model config is not valid JSON: {err}") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"model config must be a JSON object, got {type(data).__name__}")
+        return cls.from_dict(data)
+
+
+# The paper's sizes (PAPER.md section 2) tie the input and output embeddings: counted so, the parameter
+# counts reproduce the size names (the paper does not say whether it tied them). The scaling models'
+# vocabulary is taken to be the 3B model's cl100k (100,288), which the paper states only for the 3B model.
+_PAPER = dict(vocab_size=100288, max_seq_len=2048, tie_embeddings=True)
+PRESETS: dict[str, dict[str, Any]] = {
+    # For tests and the CPU demo: about 1.3M parameters, 8 standard heads (4 differential) of size 16.
+    "tiny": dict(d_model=128, n_layers=6, n_heads=8, max_seq_len=256),
+    # CPU-trainable sizes.
+    "small": dict(d_model=256, n_layers=8, n_heads=8, max_seq_len=512),
+    "medium": dict(d_model=384, n_layers=12, n_heads=12, max_seq_len=1024),
+    "large": dict(d_model=768, n_layers=12, n_heads=12, max_seq_len=1024),
+    "830m": dict(_PAPER, d_model=1536, n_layers=24, n_heads=16),
+    "1.4b": dict(_PAPER, d_model=2048, n_layers=24, n_heads=16),
+    "2.8b": dict(_PAPER, d_model=2560, n_layers=32, n_heads=20),
+    "6.8b": dict(_PAPER, d_model=4096, n_layers=32, n_heads=32),
+    "13.1b": dict(_PAPER, d_model=5120, n_layers=40, n_heads=40),
+    "3b": dict(_PAPER, d_model=3072, n_layers=28, n_heads=24, ffn_dim=8192, max_seq_len=4096),
+}

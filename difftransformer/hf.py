@@ -1,0 +1,184 @@
+"""Conversion to and from Hugging Face ``transformers``: DiffLlama for DIFF models, Llama for standard ones.
+
+Layouts (PAPER.md section 1). Ours keeps the reference code's: q_proj rows (H, 2, d) with half-head
+(h, c) = component c of head h, k_proj/v_proj rows (Hkv, 2, d), interleaved (GPT-J) rotary pairs, and a
+learnable ``subln.weight``. DiffLlama counts 2H half-heads with contiguous halves, rows (2, H, d): query
+half-head c*H + h is component c of head h, key/value head c*Hkv + g is component c of group g, and
+value head c*Hkv + g is the c-th d-wide half of group g's value. It uses rotate-half rotary pairs, and
+its per-head RMSNorm has no weight, so ``subln.weight`` is folded into the o_proj columns. The
+conversion is an exact permutation of rows (plus that folding); tests check it against transformers.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from difftransformer.config import ModelConfig
+from difftransformer.model import TransformerLM
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError as err:
+        raise ImportError("difftransformer.hf needs `transformers`: pip install 'transformers>=4.48'") from err
+    return transformers
+
+
+def _rope_perm(d: int) -> torch.Tensor:
+    """Row order that turns interleaved rotary pairs (2i, 2i+1) into rotate-half pairs (i, i + d/2)."""
+    return torch.cat((torch.arange(0, d, 2), torch.arange(1, d, 2)))
+
+
+def _diff_rows_to_hf(w: torch.Tensor, groups: int, d: int, rope: bool) -> torch.Tensor:
+    """(groups, 2, d, D) rows, ours -> (2, groups, d, D), DiffLlama's."""
+    w = w.view(groups, 2, d, -1)
+    if rope:
+        w = w[:, :, _rope_perm(d)]
+    return w.transpose(0, 1).reshape(2 * groups * d, -1)
+
+
+def _diff_rows_from_hf(w: torch.Tensor, groups: int, d: int, rope: bool) -> torch.Tensor:
+    w = w.view(2, groups, d, -1).transpose(0, 1)
+    if rope:
+        w = w[:, :, torch.argsort(_rope_perm(d))]
+    return w.reshape(2 * groups * d, -1)
+
+
+def _heads_to_hf(w: torch.Tensor, heads: int, d: int) -> torch.Tensor:
+    return w.view(heads, d, -1)[:, _rope_perm(d)].reshape(heads * d, -1)
+
+
+def _heads_from_hf(w: torch.Tensor, heads: int, d: int) -> torch.Tensor:
+    return w.view(heads, d, -1)[:, torch.argsort(_rope_perm(d))].reshape(heads * d, -1)
+
+
+def _rope_kwargs(theta: float) -> dict:
+    if int(_transformers().__version__.split(".")[0]) >= 5:
+        return {"rope_parameters": {"rope_type": "default", "rope_theta": theta}}
+    return {"rope_theta": theta}
+
+
+def _rope_theta(hf_config) -> float:
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    scaling = getattr(hf_config, "rope_scaling", None) or {}
+    rope_type = params.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
+    if rope_type != "default":
+        raise ValueError(f"rotary scaling {rope_type!r} is not supported; only the default rotary embedding is")
+    return float(params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))
+
+
+def to_hf(model: TransformerLM):
+    """A ``DiffLlamaForCausalLM`` (attention="diff") or ``LlamaForCausalLM`` (attention="standard") with our weights."""
+    tf = _transformers()
+    cfg = model.config
+    if cfg.attention == "diff_v2":
+        raise ValueError("attention='diff_v2' has no Hugging Face architecture; convert a 'diff' or 'standard' model")
+    if cfg.rope_theta is None:
+        raise ValueError("Hugging Face Llama models always use rotary embedding; this model has rope_theta=None")
+    d = cfg.head_dim
+    common = dict(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.d_model,
+        intermediate_size=cfg.ffn_dim,
+        num_hidden_layers=cfg.n_layers,
+        num_attention_heads=cfg.n_heads,
+        num_key_value_heads=cfg.n_kv_heads,
+        head_dim=d,
+        max_position_embeddings=cfg.max_seq_len,
+        rms_norm_eps=cfg.norm_eps,
+        tie_word_embeddings=cfg.tie_embeddings,
+        initializer_range=cfg.init_std,
+        hidden_act="silu",
+        attention_bias=False,
+        **_rope_kwargs(cfg.rope_theta),
+    )
+    diff = cfg.attention == "diff"
+    hf_cls = tf.DiffLlamaForCausalLM if diff else tf.LlamaForCausalLM
+    hf_config = tf.DiffLlamaConfig(**common) if diff else tf.LlamaConfig(mlp_bias=False, **common)
+    sd = {
+        "model.embed_tokens.weight": model.embed.weight,
+        "model.norm.weight": model.norm.weight,
+        "lm_head.weight": model.lm_head.weight,
+    }
+    for i, block in enumerate(model.layers):
+        p, a = f"model.layers.{i}.", block.attn
+        sd[p + "input_layernorm.weight"] = block.attn_norm.weight
+        sd[p + "post_attention_layernorm.weight"] = block.ffn_norm.weight
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            sd[p + f"mlp.{name}.weight"] = getattr(block.ffn, name).weight
+        if diff:
+            h, hkv = a.num_heads, a.num_kv_heads
+            sd[p + "self_attn.q_proj.weight"] = _diff_rows_to_hf(a.q_proj.weight, h, d, rope=True)
+            sd[p + "self_attn.k_proj.weight"] = _diff_rows_to_hf(a.k_proj.weight, hkv, d, rope=True)
+            sd[p + "self_attn.v_proj.weight"] = _diff_rows_to_hf(a.v_proj.weight, hkv, d, rope=False)
+            sd[p + "self_attn.o_proj.weight"] = a.out_proj.weight * a.subln.weight.repeat(h)
+            for name in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"):
+                sd[p + f"self_attn.{name}"] = getattr(a, name)
+        else:
+            sd[p + "self_attn.q_proj.weight"] = _heads_to_hf(a.q_proj.weight, a.num_heads, d)
+            sd[p + "self_attn.k_proj.weight"] = _heads_to_hf(a.k_proj.weight, a.num_kv_heads, d)
+            sd[p + "self_attn.v_proj.weight"] = a.v_proj.weight
+            sd[p + "self_attn.o_proj.weight"] = a.out_proj.weight
+    hf_model = hf_cls(hf_config)
+    hf_model.load_state_dict({k: v.detach().clone() for k, v in sd.items()}, strict=True)
+    return hf_model.to(model.embed.weight.dtype).eval()
+
+
+def from_hf(hf_model) -> TransformerLM:
+    """A TransformerLM with the weights of a ``DiffLlamaForCausalLM`` or ``LlamaForCausalLM``."""
+    hc = hf_model.config
+    arch = type(hf_model).__name__
+    if arch not in ("DiffLlamaForCausalLM", "LlamaForCausalLM"):
+        raise ValueError(f"cannot convert {arch}; from_hf takes DiffLlamaForCausalLM or LlamaForCausalLM")
+    d = getattr(hc, "head_dim", None) or hc.hidden_size // hc.num_attention_heads
+    if d * hc.num_attention_heads != hc.hidden_size:
+        raise ValueError(
+            f"head_dim {d} * num_attention_heads {hc.num_attention_heads} != hidden_size {hc.hidden_size}: "
+            "TransformerLM needs head size = d_model / n_heads"
+        )
+    if hc.hidden_act != "silu" or getattr(hc, "attention_bias", False) or getattr(hc, "mlp_bias", False):
+        raise ValueError("only SiLU-gated MLPs without biases can be converted (hidden_act='silu', no biases)")
+    diff = arch == "DiffLlamaForCausalLM"
+    cfg = ModelConfig(
+        vocab_size=hc.vocab_size,
+        d_model=hc.hidden_size,
+        n_layers=hc.num_hidden_layers,
+        n_heads=hc.num_attention_heads,
+        n_kv_heads=hc.num_key_value_heads,
+        ffn_dim=hc.intermediate_size,
+        max_seq_len=hc.max_position_embeddings,
+        rope_theta=_rope_theta(hc),
+        norm_eps=hc.rms_norm_eps,
+        attention="diff" if diff else "standard",
+        tie_embeddings=bool(getattr(hc, "tie_word_embeddings", False)),
+        init_std=getattr(hc, "initializer_range", 0.02),
+    )
+    src = {k: v.detach() for k, v in hf_model.state_dict().items()}
+    model = TransformerLM(cfg).to(src["model.embed_tokens.weight"].dtype)
+    sd = {
+        "embed.weight": src["model.embed_tokens.weight"],
+        "norm.weight": src["model.norm.weight"],
+        "lm_head.weight": src.get("lm_head.weight", src["model.embed_tokens.weight"]),
+    }
+    for i, block in enumerate(model.layers):
+        p, q, a = f"model.layers.{i}.", f"layers.{i}.", block.attn
+        sd[q + "attn_norm.weight"] = src[p + "input_layernorm.weight"]
+        sd[q + "ffn_norm.weight"] = src[p + "post_attention_layernorm.weight"]
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            sd[q + f"ffn.{name}.weight"] = src[p + f"mlp.{name}.weight"]
+        sd[q + "attn.out_proj.weight"] = src[p + "self_attn.o_proj.weight"]
+        if diff:
+            h, hkv = a.num_heads, a.num_kv_heads
+            sd[q + "attn.q_proj.weight"] = _diff_rows_from_hf(src[p + "self_attn.q_proj.weight"], h, d, rope=True)
+            sd[q + "attn.k_proj.weight"] = _diff_rows_from_hf(src[p + "self_attn.k_proj.weight"], hkv, d, rope=True)
+            sd[q + "attn.v_proj.weight"] = _diff_rows_from_hf(src[p + "self_attn.v_proj.weight"], hkv, d, rope=False)
+            sd[q + "attn.subln.weight"] = torch.ones(2 * d, dtype=src[p + "self_attn.o_proj.weight"].dtype)
+            for name in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"):
+                sd[q + f"attn.{name}"] = src[p + f"self_attn.{name}"].float()
+        else:
+            sd[q + "attn.q_proj.weight"] = _heads_from_hf(src[p + "self_attn.q_proj.weight"], a.num_heads, d)
+            sd[q + "attn.k_proj.weight"] = _heads_from_hf(src[p + "self_attn.k_proj.weight"], a.num_kv_heads, d)
+            sd[q + "attn.v_proj.weight"] = src[p + "self_attn.v_proj.weight"]
+    model.load_state_dict(sd, strict=True)
+    return model.eval()

@@ -1,0 +1,86 @@
+"""ModelConfig: validation, presets, JSON round trip, and the matched-pair parameter counts."""
+
+import json
+
+import pytest
+
+from difftransformer import ModelConfig, count_parameters
+from difftransformer.config import PRESETS
+
+
+def expected_count(cfg: ModelConfig, attention: str) -> int:
+    """Parameter count from the architecture's formula (PAPER.md sections 1, 2 and 5), not from the code."""
+    dim, d, layers = cfg.d_model, cfg.head_dim, cfg.n_layers
+    kv = cfg.n_kv_heads * d
+    attn = dim * dim + 2 * dim * kv + dim * dim  # q, k, v, out
+    if attention == "diff":
+        attn += 4 * d + 2 * d  # lambda vectors and subln.weight
+    if attention == "diff_v2":
+        attn += dim * dim + dim * cfg.n_heads  # doubled queries, lambda_proj
+    per_layer = attn + 3 * dim * cfg.ffn_dim + 2 * dim  # SwiGLU and two norms
+    embeddings = cfg.vocab_size * dim * (1 if cfg.tie_embeddings else 2)
+    return layers * per_layer + embeddings + dim
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_presets_count_matches_formula_and_pairs_match(name):
+    counts = {a: count_parameters(ModelConfig.preset(name, attention=a)) for a in ("diff", "standard", "diff_v2")}
+    for attention, count in counts.items():
+        assert count == expected_count(ModelConfig.preset(name), attention)
+    assert abs(counts["diff"] - counts["standard"]) / counts["standard"] < 1e-3
+
+
+def test_paper_sizes_match_their_names():
+    sizes = {"830m": 830e6, "1.4b": 1.4e9, "2.8b": 2.8e9, "6.8b": 6.8e9, "13.1b": 13.1e9}
+    for name, size in sizes.items():
+        assert abs(count_parameters(ModelConfig.preset(name)) - size) / size < 0.02, name
+    # the 13.1B model counted on the meta device: nothing is allocated
+    assert count_parameters(ModelConfig.preset("13.1b")) == 13_123_046_400
+    assert 1e6 <= count_parameters(ModelConfig.preset("tiny")) <= 5e6
+
+
+def test_tiny_preset_allows_gqa():
+    cfg = ModelConfig.preset("tiny")
+    assert cfg.n_heads >= 4 and cfg.n_heads // 2 >= 2
+    ModelConfig.preset("tiny", n_kv_heads=4)
+    ModelConfig.preset("tiny", n_kv_heads=2)
+
+
+def test_json_round_trip(tmp_path):
+    cfg = ModelConfig.preset("small", attention="standard", n_kv_heads=4, dropout=0.1, rope_theta=None)
+    assert ModelConfig.from_json(cfg.to_json()) == cfg
+    path = tmp_path / "config.json"
+    cfg.to_json(path)
+    assert ModelConfig.from_json(path) == cfg
+    assert json.loads(path.read_text())["attention"] == "standard"
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(attention="flash"), "attention must be one of"),
+        (dict(d_model=100), "d_model 100 is not divisible by n_heads 8"),
+        (dict(n_kv_heads=3), "n_heads 8 is not divisible by n_kv_heads 3"),
+        (dict(n_heads=2, n_kv_heads=1), "both must be even"),
+        (dict(d_model=120, n_heads=8), "even head size"),
+        (dict(vocab_size=0), "vocab_size must be a positive integer"),
+        (dict(n_layers=2.5), "n_layers must be a positive integer"),
+        (dict(dropout=1.0), r"dropout must be in \[0, 1\)"),
+        (dict(norm_eps=0), "must be positive"),
+        (dict(attn_impl="triton"), "attn_impl must be one of"),
+        (dict(bogus=1), r"unknown ModelConfig field\(s\) \['bogus'\]"),
+    ],
+)
+def test_invalid_configs_raise_clear_errors(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        ModelConfig.preset("tiny", **overrides)
+
+
+def test_unknown_preset_and_bad_json(tmp_path):
+    with pytest.raises(ValueError, match="unknown preset 'huge'; choose one of tiny"):
+        ModelConfig.preset("huge")
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        ModelConfig.from_json(tmp_path / "missing.json")
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        ModelConfig.from_json(tmp_path / "bad.json")
