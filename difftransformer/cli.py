@@ -34,6 +34,23 @@ def _presets(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench(args: argparse.Namespace) -> int:
+    import torch
+
+    from difftransformer import bench
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    try:
+        result = bench.bench_attention(args.seq, args.dim, args.heads, args.batch, args.repeats)
+    finally:
+        torch.set_num_threads(threads)
+    print(bench.format_attention(result))
+    if args.json:
+        bench.write_json(result, args.json)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="difftx", description="The Differential Transformer: tools.")
     parser.add_argument("--version", action="version", version=f"difftransformer {__version__}")
@@ -43,6 +60,16 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(func=_demo)
     presets = sub.add_parser("presets", help="list the model presets with DIFF and standard parameter counts")
     presets.set_defaults(func=_presets)
+    bench = sub.add_parser("bench", help="benchmarks: ratios measured side by side in one run")
+    bench.add_argument("what", choices=["attention"])
+    bench.add_argument("--seq", type=int, nargs="+", default=[1024, 4096])
+    bench.add_argument("--dim", type=int, default=512)
+    bench.add_argument("--heads", type=int, default=8, help="standard heads (DIFF uses half)")
+    bench.add_argument("--batch", type=int, default=1)
+    bench.add_argument("--repeats", type=int, default=5)
+    bench.add_argument("--threads", type=int, default=1)
+    bench.add_argument("--json", help="also write the results to this JSON file")
+    bench.set_defaults(func=_bench)
     return parser
 
 

@@ -53,6 +53,20 @@ def _heads_from_hf(w: torch.Tensor, heads: int, d: int) -> torch.Tensor:
     return w.view(heads, d, -1)[:, torch.argsort(_rope_perm(d))].reshape(heads * d, -1)
 
 
+def _same_weights(n_layers: int, include_out_proj: bool):
+    """(our name, Hugging Face name) of the weights that are copied unchanged in both directions."""
+    yield "embed.weight", "model.embed_tokens.weight"
+    yield "norm.weight", "model.norm.weight"
+    for i in range(n_layers):
+        ours, theirs = f"layers.{i}.", f"model.layers.{i}."
+        yield ours + "attn_norm.weight", theirs + "input_layernorm.weight"
+        yield ours + "ffn_norm.weight", theirs + "post_attention_layernorm.weight"
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            yield ours + f"ffn.{name}.weight", theirs + f"mlp.{name}.weight"
+        if include_out_proj:
+            yield ours + "attn.out_proj.weight", theirs + "self_attn.o_proj.weight"
+
+
 def _rope_kwargs(theta: float) -> dict:
     if int(_transformers().__version__.split(".")[0]) >= 5:
         return {"rope_parameters": {"rope_type": "default", "rope_theta": theta}}
@@ -96,17 +110,11 @@ def to_hf(model: TransformerLM):
     diff = cfg.attention == "diff"
     hf_cls = tf.DiffLlamaForCausalLM if diff else tf.LlamaForCausalLM
     hf_config = tf.DiffLlamaConfig(**common) if diff else tf.LlamaConfig(mlp_bias=False, **common)
-    sd = {
-        "model.embed_tokens.weight": model.embed.weight,
-        "model.norm.weight": model.norm.weight,
-        "lm_head.weight": model.lm_head.weight,
-    }
+    ours = model.state_dict()
+    sd = {theirs: ours[name] for name, theirs in _same_weights(cfg.n_layers, include_out_proj=not diff)}
+    sd["lm_head.weight"] = model.lm_head.weight
     for i, block in enumerate(model.layers):
         p, a = f"model.layers.{i}.", block.attn
-        sd[p + "input_layernorm.weight"] = block.attn_norm.weight
-        sd[p + "post_attention_layernorm.weight"] = block.ffn_norm.weight
-        for name in ("gate_proj", "up_proj", "down_proj"):
-            sd[p + f"mlp.{name}.weight"] = getattr(block.ffn, name).weight
         if diff:
             h, hkv = a.num_heads, a.num_kv_heads
             sd[p + "self_attn.q_proj.weight"] = _diff_rows_to_hf(a.q_proj.weight, h, d, rope=True)
@@ -119,7 +127,6 @@ def to_hf(model: TransformerLM):
             sd[p + "self_attn.q_proj.weight"] = _heads_to_hf(a.q_proj.weight, a.num_heads, d)
             sd[p + "self_attn.k_proj.weight"] = _heads_to_hf(a.k_proj.weight, a.num_kv_heads, d)
             sd[p + "self_attn.v_proj.weight"] = a.v_proj.weight
-            sd[p + "self_attn.o_proj.weight"] = a.out_proj.weight
     hf_model = hf_cls(hf_config)
     hf_model.load_state_dict({k: v.detach().clone() for k, v in sd.items()}, strict=True)
     return hf_model.to(model.embed.weight.dtype).eval()
@@ -156,18 +163,10 @@ def from_hf(hf_model) -> TransformerLM:
     )
     src = {k: v.detach() for k, v in hf_model.state_dict().items()}
     model = TransformerLM(cfg).to(src["model.embed_tokens.weight"].dtype)
-    sd = {
-        "embed.weight": src["model.embed_tokens.weight"],
-        "norm.weight": src["model.norm.weight"],
-        "lm_head.weight": src.get("lm_head.weight", src["model.embed_tokens.weight"]),
-    }
+    sd = {name: src[theirs] for name, theirs in _same_weights(cfg.n_layers, include_out_proj=True)}
+    sd["lm_head.weight"] = src.get("lm_head.weight", src["model.embed_tokens.weight"])
     for i, block in enumerate(model.layers):
         p, q, a = f"model.layers.{i}.", f"layers.{i}.", block.attn
-        sd[q + "attn_norm.weight"] = src[p + "input_layernorm.weight"]
-        sd[q + "ffn_norm.weight"] = src[p + "post_attention_layernorm.weight"]
-        for name in ("gate_proj", "up_proj", "down_proj"):
-            sd[q + f"ffn.{name}.weight"] = src[p + f"mlp.{name}.weight"]
-        sd[q + "attn.out_proj.weight"] = src[p + "self_attn.o_proj.weight"]
         if diff:
             h, hkv = a.num_heads, a.num_kv_heads
             sd[q + "attn.q_proj.weight"] = _diff_rows_from_hf(src[p + "self_attn.q_proj.weight"], h, d, rope=True)

@@ -3,9 +3,35 @@
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from difftransformer.attention.kernels import softmax_dtype
 from difftransformer.rotary import apply_rotary, rotary_angles
+
+
+class AttentionBase(nn.Module):
+    """Arguments shared by the attention variants: sizes, checks, rotary settings, causality."""
+
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        layer_idx: int,
+        num_kv_heads: int | None,
+        rope_theta: float | None,
+        causal: bool,
+        per_head: int,
+        what: str,
+    ) -> None:
+        super().__init__()
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        self.head_dim = check_heads(embed_dim, num_heads, num_kv_heads, per_head, what)
+        check_rotary(self.head_dim, rope_theta)
+        if layer_idx < 0:
+            raise ValueError(f"layer_idx counts layers from 0, got {layer_idx}")
+        self.embed_dim, self.num_heads, self.num_kv_heads = embed_dim, num_heads, num_kv_heads
+        self.layer_idx, self.rope_theta, self.causal = layer_idx, rope_theta, causal
+        self.scaling = self.head_dim**-0.5
 
 
 def check_heads(embed_dim: int, num_heads: int, num_kv_heads: int, per_head: int, what: str) -> int:

@@ -20,7 +20,7 @@ import math
 import torch
 from torch import nn
 
-from difftransformer.attention.common import check_heads, check_rotary, expand_mask, rotary_for
+from difftransformer.attention.common import AttentionBase, expand_mask, rotary_for
 from difftransformer.attention.kernels import DIFF_IMPLS, diff_attention, diff_attention_plain, softmax_dtype
 from difftransformer.layers import RMSNorm
 from difftransformer.rotary import apply_rotary
@@ -31,7 +31,7 @@ def lambda_init_fn(layer_idx: int) -> float:
     return 0.8 - 0.6 * math.exp(-0.3 * layer_idx)
 
 
-class MultiheadDiffAttn(nn.Module):
+class MultiheadDiffAttn(AttentionBase):
     """Multi-head differential attention with ``num_heads`` differential heads.
 
     Eight differential heads have the parameters of a sixteen-head standard attention of the same width.
@@ -49,18 +49,12 @@ class MultiheadDiffAttn(nn.Module):
         causal: bool = True,
         impl: str = "auto",
     ) -> None:
-        super().__init__()
-        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-        self.head_dim = check_heads(embed_dim, num_heads, num_kv_heads, 2, "two half-heads per differential head")
-        check_rotary(self.head_dim, rope_theta)
-        if layer_idx < 0:
-            raise ValueError(f"layer_idx counts layers from 0, got {layer_idx}")
+        what = "two half-heads per differential head"
+        super().__init__(embed_dim, num_heads, layer_idx, num_kv_heads, rope_theta, causal, 2, what)
         if impl not in DIFF_IMPLS:
             raise ValueError(f"unknown impl {impl!r}; choose one of {DIFF_IMPLS}")
-        self.embed_dim, self.num_heads, self.num_kv_heads = embed_dim, num_heads, num_kv_heads
-        self.layer_idx, self.rope_theta, self.causal, self.impl = layer_idx, rope_theta, causal, impl
-        self.scaling = self.head_dim**-0.5
-        d = self.head_dim
+        self.impl = impl
+        d, num_kv_heads = self.head_dim, self.num_kv_heads
         self.q_proj = nn.Linear(embed_dim, 2 * num_heads * d, bias=False)
         self.k_proj = nn.Linear(embed_dim, 2 * num_kv_heads * d, bias=False)
         self.v_proj = nn.Linear(embed_dim, 2 * num_kv_heads * d, bias=False)

@@ -14,11 +14,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from difftransformer.attention.common import check_heads, check_rotary, expand_mask, project_heads
+from difftransformer.attention.common import AttentionBase, expand_mask, project_heads
 from difftransformer.attention.kernels import softmax_dtype, standard_attention
 
 
-class MultiheadDiffAttnV2(nn.Module):
+class MultiheadDiffAttnV2(AttentionBase):
     """``num_heads`` output heads of size ``embed_dim // num_heads``, each the difference of two query heads."""
 
     def __init__(
@@ -30,14 +30,9 @@ class MultiheadDiffAttnV2(nn.Module):
         rope_theta: float | None = 10000.0,
         causal: bool = True,
     ) -> None:
-        super().__init__()
-        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-        self.head_dim = check_heads(embed_dim, num_heads, num_kv_heads, 1, "one head of size embed_dim/num_heads")
-        check_rotary(self.head_dim, rope_theta)
-        self.embed_dim, self.num_heads, self.num_kv_heads = embed_dim, num_heads, num_kv_heads
-        self.layer_idx, self.rope_theta, self.causal = layer_idx, rope_theta, causal
-        self.scaling = self.head_dim**-0.5
-        d = self.head_dim
+        what = "one head of size embed_dim/num_heads"
+        super().__init__(embed_dim, num_heads, layer_idx, num_kv_heads, rope_theta, causal, 1, what)
+        d, num_kv_heads = self.head_dim, self.num_kv_heads
         self.q_proj = nn.Linear(embed_dim, 2 * num_heads * d, bias=False)  # rows (H, 2, d)
         self.k_proj = nn.Linear(embed_dim, num_kv_heads * d, bias=False)
         self.v_proj = nn.Linear(embed_dim, num_kv_heads * d, bias=False)

@@ -15,17 +15,17 @@ Scores and softmax are computed in float32 (float64 for float64 inputs).
 
 Three exact methods for differential attention, chosen by ``impl``:
 
-- ``sdpa`` (the default on CPU): one fused ``scaled_dot_product_attention`` call over the 2H
-  half-heads. Fused CPU kernels need equal query and value widths, so q and k are zero-padded from d
-  to 2d (scores unchanged, scale passed explicitly) and each group's 2d-wide V serves both maps.
-  It does twice the baseline's attention-core work, but inside a fused kernel; measured faster on
-  CPU than the methods below (see README). Never materialises a (T, T) map.
+- ``sdpa`` (``auto`` on GPUs): one fused ``scaled_dot_product_attention`` call over the 2H half-heads.
+  Fused kernels need equal query and value widths, so q and k are zero-padded from d to 2d (scores
+  unchanged, scale passed explicitly) and each group's 2d-wide V serves both maps: twice the baseline's
+  attention-core work, inside a fused kernel. Never materialises a (T, T) map.
 
 - ``plain``: materialises both (Tq, Tk) softmax maps of every head in float32; used for analysis
   (``need_weights``) and as the readable reference.
-- ``block``: processes query blocks with full key rows, so both softmax normalisers are known before
-  touching V and ``(P1 - lambda P2) @ V`` is applied once (PAPER.md section 4: the attention core costs
-  what the baseline's does, with no 1.5x penalty of two online-softmax passes). Keys are read once per
+- ``block`` (``auto`` on CPU, where it measured fastest: see benchmarks/results): processes blocks of
+  64 query rows with full key rows, so both softmax normalisers are known before touching V and
+  ``(P1 - lambda P2) @ V`` is applied once (PAPER.md section 4: the attention core does the baseline's
+  arithmetic, with no 1.5x penalty of two online-softmax passes). Keys and values are read once per
   group, not repeated for GQA. A custom backward recomputes each block from the saved log-sum-exp, so
   training never holds the whole (T, T) maps either.
 """
@@ -36,7 +36,9 @@ import torch
 import torch.nn.functional as F
 
 MASK_VALUE = torch.finfo(torch.float32).min
-# Elements of one block's score tensor (B * 2H * block * Tk float32 values): 8M = 32 MiB.
+# Query rows per block of the block method (64 measured fastest on a 2-core CPU, forward and backward),
+# fewer when one block's score tensor (B * 2H * rows * Tk float32 values) would exceed 8M values = 32 MiB.
+BLOCK_ROWS = 64
 BLOCK_ELEMENTS = 1 << 23
 DIFF_IMPLS = ("auto", "sdpa", "block", "plain")
 
@@ -87,96 +89,106 @@ def diff_attention_plain(
 
 
 class _BlockDiffAttention(torch.autograd.Function):
-    """Block-exact differential attention: full key rows per query block, recomputed in backward."""
+    """Block-exact differential attention: full key rows per query block, recomputed in backward.
+
+    q is pre-scaled once, the causal mask touches only each block's diagonal square, and the big
+    per-block tensors are updated in place: on CPU the elementwise passes over (rows, T) cost more than
+    the matrix products, so each one saved counts.
+    """
 
     @staticmethod
     def forward(ctx, q, k, v, lambda_full, scale, causal, mask, block):
         b, h, _, tq, d = q.shape
         hkv, tk = k.shape[1], k.shape[3]
         rep = h // hkv
-        qg = q.view(b, hkv, rep, 2, tq, d).transpose(2, 3)  # (B, Hkv, 2, rep, Tq, d)
+        qg = (q * scale).view(b, hkv, rep, 2, tq, d).transpose(2, 3)  # (B, Hkv, 2, rep, Tq, d), scaled
         lam = lambda_full.to(softmax_dtype(q))
         out = v.new_empty(b, hkv, rep, tq, v.shape[-1])
         lse = q.new_empty(b, hkv, 2, rep, tq, dtype=lam.dtype)
-        for i0, i1, kend, allowed, q_blk in _blocks(qg, tk, causal, mask, block):
-            scores = _block_scores(q_blk, k[:, :, :, :kend], scale, allowed)
-            lse_blk = torch.logsumexp(scores, dim=-1, keepdim=True)  # (B, Hkv, 2, rep, bq, 1)
-            if mask is not None:  # rows that may attend nothing: lse = inf makes their probabilities 0
-                lse_blk = lse_blk.masked_fill(~allowed.any(-1, keepdim=True), float("inf"))
-            probs = torch.exp(scores - lse_blk)
-            diff = probs[:, :, 0] - lam * probs[:, :, 1]  # (B, Hkv, rep, bq, kend)
+        for i0, i1, kend in _blocks(tq, tk, causal, block):
+            probs, empty = _block_scores(qg[..., i0:i1, :], k[:, :, :, :kend], causal, mask, i0, tk - tq)
+            lse_blk = torch.logsumexp(probs, dim=-1, keepdim=True)  # (B, Hkv, 2, rep, bq, 1)
+            if empty is not None:  # rows that may attend nothing: lse = inf makes their probabilities 0
+                lse_blk.masked_fill_(empty, float("inf"))
+            probs.sub_(lse_blk).exp_()
+            diff = torch.addcmul(probs[:, :, 0], probs[:, :, 1], lam, value=-1)  # (B, Hkv, rep, bq, kend)
             out[:, :, :, i0:i1] = torch.matmul(diff.flatten(2, 3).to(v.dtype), v[:, :, :kend]).view_as(
                 out[:, :, :, i0:i1]
             )
             lse[..., i0:i1] = lse_blk.squeeze(-1)
-        ctx.save_for_backward(q, k, v, lam, lse, mask)
-        ctx.scale, ctx.causal, ctx.block = scale, causal, block
+        ctx.save_for_backward(qg, k, v, lam, lse, mask)
+        ctx.scale, ctx.causal, ctx.block, ctx.q_shape = scale, causal, block, q.shape
         return out.view(b, h, tq, v.shape[-1])
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, lam, lse, mask = ctx.saved_tensors
-        b, h, _, tq, d = q.shape
-        hkv = k.shape[1]
-        rep = h // hkv
-        qg = q.view(b, hkv, rep, 2, tq, d).transpose(2, 3)
+        qg, k, v, lam, lse, mask = ctx.saved_tensors
+        b, hkv, _, rep, tq, d = qg.shape
+        tk = k.shape[3]
         dout = grad_out.reshape(b, hkv, rep, tq, v.shape[-1])
         acc = lam.dtype  # gradients accumulate in float32 (float64 for float64 inputs)
-        dq = torch.zeros(qg.shape, dtype=acc, device=q.device)
+        dq = torch.empty(qg.shape, dtype=acc, device=qg.device)
         dk = torch.zeros(k.shape, dtype=acc, device=k.device)
         dv = torch.zeros(v.shape, dtype=acc, device=v.device)
-        dlam = torch.zeros((), dtype=acc, device=q.device)
-        for i0, i1, kend, allowed, q_blk in _blocks(qg, k.shape[3], ctx.causal, mask, ctx.block):
-            scores = _block_scores(q_blk, k[:, :, :, :kend], ctx.scale, allowed)
-            probs = torch.exp(scores - lse[..., i0:i1, None])  # (B, Hkv, 2, rep, bq, kend)
+        dlam = torch.zeros((), dtype=acc, device=qg.device)
+        for i0, i1, kend in _blocks(tq, tk, ctx.causal, ctx.block):
+            q_blk = qg[..., i0:i1, :]
+            probs, _ = _block_scores(q_blk, k[:, :, :, :kend], ctx.causal, mask, i0, tk - tq)
+            probs.sub_(lse[..., i0:i1, None]).exp_()  # (B, Hkv, 2, rep, bq, kend)
             do = dout[:, :, :, i0:i1].flatten(2, 3)  # (B, Hkv, rep*bq, 2d)
             v_blk = v[:, :, :kend]
+            diff = torch.addcmul(probs[:, :, 0], probs[:, :, 1], lam, value=-1).flatten(2, 3)
+            dv[:, :, :kend] += torch.matmul(diff.transpose(-1, -2).to(do.dtype), do).to(acc)
             dpv = torch.matmul(do, v_blk.transpose(-1, -2)).to(acc).view(probs[:, :, 0].shape)
-            diff = probs[:, :, 0] - lam * probs[:, :, 1]
-            dv[:, :, :kend] += torch.matmul(diff.flatten(2, 3).transpose(-1, -2).to(do.dtype), do).to(acc)
-            # d(map_c) = +dpv for c = 0 and -lambda * dpv for c = 1; softmax backward per map.
+            # map 1 receives dpv and map 2 receives -lambda * dpv; softmax backward of each map:
             rowdot = (probs * dpv[:, :, None]).sum(-1, keepdim=True)  # (B, Hkv, 2, rep, bq, 1)
             dlam -= rowdot[:, :, 1].sum()
-            sign = torch.stack((torch.ones_like(lam), -lam)).view(1, 1, 2, 1, 1, 1)
-            dscores = probs * (dpv[:, :, None] - rowdot) * (sign * ctx.scale)
-            ds = dscores.flatten(3, 4).to(q.dtype)  # (B, Hkv, 2, rep*bq, kend)
-            dq[:, :, :, :, i0:i1] = torch.matmul(ds, k[:, :, :, :kend]).to(acc).view_as(dq[:, :, :, :, i0:i1])
+            dscores = probs.mul_(dpv[:, :, None].sub(rowdot))
+            dscores[:, :, 1].mul_(-lam)
+            ds = dscores.flatten(3, 4).to(qg.dtype)  # (B, Hkv, 2, rep*bq, kend)
+            dq[..., i0:i1, :] = torch.matmul(ds, k[:, :, :, :kend]).to(acc).view_as(q_blk) * ctx.scale
             dk[:, :, :, :kend] += torch.matmul(ds.transpose(-1, -2), q_blk.flatten(3, 4)).to(acc)
-        dq = dq.transpose(2, 3).reshape(q.shape).to(q.dtype)
+        dq = dq.transpose(2, 3).reshape(ctx.q_shape).to(qg.dtype)
         return dq, dk.to(k.dtype), dv.to(v.dtype), dlam, None, None, None, None
 
 
-def _blocks(qg, tk, causal, mask, block):
-    """Yield (i0, i1, kend, allowed, q_blk) for each query block of the grouped queries qg."""
-    tq = qg.shape[-2]
+def _blocks(tq, tk, causal, block):
+    """Yield (i0, i1, kend): query rows i0:i1 and the keys 0:kend they can reach."""
     offset = tk - tq
     for i0 in range(0, tq, block):
         i1 = min(tq, i0 + block)
-        kend = min(tk, i1 + offset) if causal else tk
-        allowed = None
-        if causal:
-            rows = torch.arange(i0 + offset, i1 + offset, device=qg.device)[:, None]
-            allowed = torch.arange(kend, device=qg.device)[None, :] <= rows  # (bq, kend)
-        if mask is not None:
-            m = mask[:, :, None, None, i0:i1, :kend]  # (B|1, 1, 1, 1, bq, kend)
-            allowed = m if allowed is None else allowed & m
-        yield i0, i1, kend, allowed, qg[..., i0:i1, :]
+        yield i0, i1, (min(tk, i1 + offset) if causal else tk)
 
 
-def _block_scores(q_blk, k_blk, scale, allowed):
-    """Scores of one query block, float32: (B, Hkv, 2, rep, bq, kend)."""
+def _block_scores(q_blk, k_blk, causal, mask, i0, offset):
+    """Masked scores of one block of (pre-scaled) queries, float32: (B, Hkv, 2, rep, bq, kend).
+
+    Also returns, when a mask is given, which rows may attend nothing ((B|1, 1, 1, 1, bq, 1) bool).
+    """
     b, hkv, _, rep, bq, d = q_blk.shape
+    kend = k_blk.shape[-2]
     scores = torch.matmul(q_blk.reshape(b, hkv, 2, rep * bq, d), k_blk.transpose(-1, -2))
-    scores = scores.to(softmax_dtype(q_blk)).view(b, hkv, 2, rep, bq, -1) * scale
-    if allowed is not None:
-        scores = scores.masked_fill(~allowed, MASK_VALUE)
-    return scores
+    scores = scores.to(softmax_dtype(q_blk)).view(b, hkv, 2, rep, bq, kend)
+    empty = None
+    if mask is not None:
+        allowed = mask[:, :, None, None, i0 : i0 + bq, :kend]  # (B|1, 1, 1, 1, bq, kend)
+        if causal:
+            rows = torch.arange(i0 + offset, i0 + offset + bq, device=scores.device)[:, None]
+            allowed = allowed & (torch.arange(kend, device=scores.device)[None, :] <= rows)
+        scores.masked_fill_(~allowed, MASK_VALUE)
+        empty = ~allowed.any(-1, keepdim=True)
+    elif causal:  # only the diagonal square [i0 + offset, kend) has keys after some query of the block
+        start = max(0, i0 + offset)
+        future = torch.ones(bq, kend - start, dtype=torch.bool, device=scores.device).triu(i0 + offset - start + 1)
+        scores[..., start:].masked_fill_(future, MASK_VALUE)
+    return scores, empty
 
 
 def block_size(batch: int, heads: int, tq: int, tk: int) -> int:
-    """Query rows per block so that one block's two score maps hold about BLOCK_ELEMENTS values."""
+    """Query rows per block: BLOCK_ROWS (measured fastest on CPU), fewer when one block's two score maps
+    would exceed BLOCK_ELEMENTS values."""
     rows = BLOCK_ELEMENTS // max(1, batch * 2 * heads * tk)
-    return max(16, min(tq, rows))
+    return max(16, min(tq, BLOCK_ROWS, rows))
 
 
 def diff_attention(
@@ -193,6 +205,8 @@ def diff_attention(
     """Exact differential attention ``(softmax(q1 k1^T) - lambda softmax(q2 k2^T)) v`` -> (B, H, Tq, 2d)."""
     if impl not in DIFF_IMPLS:
         raise ValueError(f"unknown differential attention impl {impl!r}; choose one of {DIFF_IMPLS}")
+    if impl == "auto":
+        impl = "block" if q.device.type == "cpu" else "sdpa"
     if impl == "plain":
         return diff_attention_plain(q, k, v, lambda_full, scale=scale, causal=causal, mask=mask)[0]
     if impl == "block":

@@ -1,0 +1,41 @@
+"""Smoke test of the benchmark command: it runs, reports its setting, and its JSON matches its table."""
+
+import json
+
+from difftransformer.cli import main
+
+
+def test_bench_attention_smoke(tmp_path, capsys):
+    out = tmp_path / "attn.json"
+    assert (
+        main(
+            [
+                "bench",
+                "attention",
+                "--seq",
+                "32",
+                "64",
+                "--dim",
+                "64",
+                "--heads",
+                "4",
+                "--repeats",
+                "1",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
+    text = capsys.readouterr().out
+    assert "1 thread(s), float32" in text and "DIFF 2 heads vs standard 4 heads of size 16" in text
+    result = json.loads(out.read_text())
+    assert [(r["seq"], r["direction"]) for r in result["rows"]] == [
+        (32, "forward"),
+        (32, "forward+backward"),
+        (64, "forward"),
+        (64, "forward+backward"),
+    ]
+    for row in result["rows"]:
+        assert set(row["seconds"]) == {"standard", "sdpa", "block", "plain"}
+        assert all(v > 0 for v in row["seconds"].values())
