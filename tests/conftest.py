@@ -14,3 +14,42 @@ def randomize_diff_params(attn, scale: float = 0.5) -> None:
         for name in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"):
             getattr(attn, name).normal_(0.0, scale)
         attn.subln.weight.uniform_(0.5, 1.5)
+
+
+WORDS = (
+    "attention noise cancels when two softmax maps are subtracted and the remaining signal focuses on the answer "
+    "while the transformer spreads its weights over irrelevant context tokens in long documents"
+).split()
+
+
+def write_corpus(root, n_docs: int = 30, words: int = 120, seed: int = 0):
+    """A small corpus directory: .txt, .md and .jsonl files of pseudo-English text."""
+    import json
+    import random
+
+    rng = random.Random(seed)
+    root.mkdir(parents=True, exist_ok=True)
+    docs = [" ".join(rng.choice(WORDS) for _ in range(words)) + "." for _ in range(n_docs)]
+    third = n_docs // 3
+    (root / "a.txt").write_text("\n".join(docs[:third]))
+    (root / "sub").mkdir(exist_ok=True)
+    (root / "sub" / "b.md").write_text("# Title\n\n" + "\n\n".join(docs[third : 2 * third]))
+    (root / "c.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs[2 * third :]))
+    return root
+
+
+@pytest.fixture
+def corpus_dir(tmp_path):
+    return write_corpus(tmp_path / "corpus")
+
+
+@pytest.fixture
+def prepared(tmp_path, corpus_dir):
+    """A prepared byte-level data directory of the small corpus."""
+    from difftransformer.corpus import find_files, iter_documents
+    from difftransformer.data import prepare
+    from difftransformer.tokenizer import ByteTokenizer
+
+    out = tmp_path / "data"
+    prepare(iter_documents(find_files([corpus_dir])), ByteTokenizer(), out, val_every=10)
+    return out

@@ -13,15 +13,24 @@ from difftransformer.demo import run_demo
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_demo_shows_the_properties(capsys):
-    result = run_demo(steps=10)
+def test_demo_trains_both_and_writes_a_report(capsys, tmp_path, prepared):
+    result = run_demo(
+        steps=8, eval_every=4, seq_len=64, batch_size=8, out=tmp_path / "demo", data=prepared, sample_tokens=20
+    )
     out = capsys.readouterr().out
-    assert "DIFF     : 4 differential heads, 1,345,728 parameters" in out
-    assert "standard : 8 heads, 1,345,152 parameters" in out
-    assert result["row_error"] < 1e-5
-    assert result["negative_share"] > 0
-    for name in ("diff", "standard"):
-        assert result["loss"][name][1] < result["loss"][name][0] - 0.5
+    assert "tiny DIFF: 1,345,984 parameters (4 differential heads); tiny standard: 1,345,408 (8 heads)" in out
+    assert "val loss DIFF" in out and "val loss std" in out
+    for kind in ("diff", "standard"):
+        assert result["final"][kind]["val_loss"] < 5.0  # ln 257 = 5.55 at the start
+        assert len(result["samples"][kind]) == 3
+    assert result["map"]["row_sum_error"] < 1e-5 and result["map"]["negative_share"] > 0
+    report = tmp_path / "demo"
+    for name in ("report.md", "summary.json", "loss_curves.png", "lambda.png"):
+        assert (report / name).stat().st_size > 0
+    assert (report / "loss_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "final validation loss" in (report / "report.md").read_text()
+    run_demo(steps=4, eval_every=4, seq_len=64, batch_size=8, out=tmp_path / "demo", data=prepared, sample_tokens=4)
+    assert (tmp_path / "demo-2" / "report.md").is_file()  # the first report is kept
 
 
 def test_presets_command(capsys):

