@@ -53,3 +53,41 @@ def test_readme_starts_with_the_two_commands_and_its_usage_runs():
     assert scope["y"].shape == (2, 64, 1024) and scope["w"].shape == (2, 8, 64, 64)
     assert scope["logits"].shape == (2, 128, 256)
     assert abs(scope["attn"].lambda_init - 0.2) < 1e-12 and isinstance(scope["attn"].lambda_full(), torch.Tensor)
+
+
+def test_data_and_tokenizer_commands(tmp_path, corpus_dir, capsys):
+    assert (
+        main(["tokenizer", "train", "--input", str(corpus_dir), "--vocab-size", "300", "--out", str(tmp_path / "tok")])
+        == 0
+    )
+    assert (
+        main(
+            [
+                "data",
+                "prepare",
+                "--input",
+                str(corpus_dir),
+                "--tokenizer",
+                str(tmp_path / "tok"),
+                "--out",
+                str(tmp_path / "data"),
+                "--val-every",
+                "10",
+            ]
+        )
+        == 0
+    )
+    assert main(["data", "verify", str(tmp_path / "data")]) == 0
+    out = capsys.readouterr().out
+    assert "byte-level BPE" in out and "validation tokens (uint16" in out and "matches its checksum" in out
+
+
+def test_cli_errors_name_the_problem(tmp_path, capsys):
+    assert main(["train", "--data", str(tmp_path / "nothing"), "--out", str(tmp_path / "run")]) == 2
+    assert "does not exist; create it with 'difftx data prepare'" in capsys.readouterr().err
+    assert main(["train"]) == 2
+    assert "needs --data" in capsys.readouterr().err
+    (tmp_path / "bad.txt").write_bytes(b"\xff\xfe broken")
+    assert main(["data", "prepare", "--input", str(tmp_path / "bad.txt"), "--out", str(tmp_path / "d")]) == 2
+    assert "is not valid UTF-8" in capsys.readouterr().err
+    assert not (tmp_path / "d").exists()
