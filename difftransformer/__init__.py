@@ -2,7 +2,9 @@
 
 from difftransformer.attention import MultiheadAttention, MultiheadDiffAttn, MultiheadDiffAttnV2
 from difftransformer.config import ModelConfig
+from difftransformer.generate import generate
 from difftransformer.model import TransformerLM, count_parameters
+from difftransformer.runs import load_run
 
 __version__ = "0.1.0"
 
@@ -13,5 +15,7 @@ __all__ = [
     "MultiheadDiffAttnV2",
     "TransformerLM",
     "count_parameters",
+    "generate",
+    "load_run",
     "__version__",
 ]

@@ -72,7 +72,7 @@ def save_checkpoint(
         shutil.rmtree(tmp)
     tmp.mkdir()
     optim_tensors, optim_meta = flatten_optimizer(optim_state)
-    save_file({k: v.detach().contiguous().cpu() for k, v in model_state.items()}, tmp / "model.safetensors")
+    save_file(_unshared(model_state), tmp / "model.safetensors")
     save_file(optim_tensors, tmp / "optimizer.safetensors")
     (tmp / "state.json").write_text(json.dumps({**meta, "step": step, "optimizer": optim_meta}, indent=1) + "\n")
     for path in tmp.iterdir():
@@ -91,6 +91,17 @@ def save_checkpoint(
     return final
 
 
+def _unshared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """CPU copies in which tied weights (one storage under two names) are stored twice, as safetensors requires."""
+    out, seen = {}, set()
+    for name, tensor in tensors.items():
+        tensor = tensor.detach().contiguous().cpu()
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset())
+        out[name] = tensor.clone() if key in seen else tensor
+        seen.add(key)
+    return out
+
+
 def list_checkpoints(run_dir: str | Path) -> list[Path]:
     """Complete checkpoints, oldest first (temporary directories of interrupted writes are ignored)."""
     root = Path(run_dir) / CKPT_DIR
@@ -99,24 +110,30 @@ def list_checkpoints(run_dir: str | Path) -> list[Path]:
     return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX))
 
 
+def _load_tensors(file: Path) -> dict[str, torch.Tensor]:
+    if not file.is_file():
+        raise FileNotFoundError(f"checkpoint {file.parent} is incomplete: {file.name} is missing")
+    try:
+        return load_file(file)
+    except (SafetensorError, OSError, ValueError) as err:
+        raise ValueError(f"{file} is corrupt or truncated ({err}); use an earlier checkpoint") from None
+
+
+def load_model_tensors(path: str | Path) -> dict[str, torch.Tensor]:
+    """The model weights of one checkpoint directory."""
+    return _load_tensors(Path(path) / "model.safetensors")
+
+
 def load_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict, dict]:
     """(model tensors, optimizer state dict, meta) of one checkpoint directory, with clear errors."""
     path = Path(path)
-    files = {name: path / name for name in ("model.safetensors", "optimizer.safetensors", "state.json")}
-    for file in files.values():
-        if not file.is_file():
-            raise FileNotFoundError(f"checkpoint {path} is incomplete: {file.name} is missing")
+    state = path / "state.json"
+    if not state.is_file():
+        raise FileNotFoundError(f"checkpoint {path} is incomplete: state.json is missing")
     try:
-        meta = json.loads(files["state.json"].read_text())
+        meta = json.loads(state.read_text())
     except json.JSONDecodeError as err:
-        raise ValueError(f"{files['state.json']} is corrupt ({err}); resume from an earlier checkpoint") from None
-    tensors = {}
-    for name in ("model.safetensors", "optimizer.safetensors"):
-        try:
-            tensors[name] = load_file(files[name])
-        except (SafetensorError, OSError, ValueError) as err:
-            raise ValueError(
-                f"{files[name]} is corrupt or truncated ({err}); resume from an earlier checkpoint"
-            ) from None
-    optim = unflatten_optimizer(tensors["optimizer.safetensors"], meta.pop("optimizer"))
-    return tensors["model.safetensors"], optim, meta
+        raise ValueError(f"{state} is corrupt ({err}); resume from an earlier checkpoint") from None
+    model = load_model_tensors(path)
+    optim = unflatten_optimizer(_load_tensors(path / "optimizer.safetensors"), meta.pop("optimizer"))
+    return model, optim, meta

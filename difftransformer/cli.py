@@ -126,6 +126,46 @@ TRAIN_FIELDS = (
 ).split()
 
 
+def _generate(args: argparse.Namespace) -> int:
+    import torch
+
+    from difftransformer.generate import generate
+    from difftransformer.runs import load_run
+
+    model, tokenizer = load_run(args.run)
+    prompt = tokenizer.encode(args.prompt)
+    shown = ""
+    ids: list[int] = []
+
+    def stream(_row: int, token: int) -> None:  # print the text as it grows (a token may end mid-character)
+        nonlocal shown
+        ids.append(token)
+        text = tokenizer.decode(ids)
+        if not text.endswith("\ufffd"):
+            print(text[len(shown) :], end="", flush=True)
+            shown = text
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(args.prompt, end="", flush=True)
+    generate(
+        model,
+        prompt,
+        args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        stop_tokens=[tokenizer.eot_id],
+        stop_strings=args.stop or (),
+        tokenizer=tokenizer,
+        on_token=stream,
+        truncate=args.truncate,
+    )
+    print(tokenizer.decode(ids)[len(shown) :])
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="difftx", description="The Differential Transformer: tools.")
     parser.add_argument("--version", action="version", version=f"difftransformer {__version__}")
@@ -198,6 +238,19 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--compile", action="store_true", default=None, help="torch.compile each block")
     tr.add_argument("--quiet", action="store_true")
     tr.set_defaults(func=_train)
+
+    gen = sub.add_parser("generate", help="sample from a trained run, streaming the text")
+    gen.add_argument("--run", required=True)
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--max-new-tokens", type=int, default=200)
+    gen.add_argument("--temperature", type=float, default=0.8, help="0 for greedy decoding")
+    gen.add_argument("--top-k", type=int)
+    gen.add_argument("--top-p", type=float, default=0.95)
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--stop", nargs="+", help="stop strings")
+    gen.add_argument("--truncate", action="store_true", help="keep the end of a prompt longer than the context")
+    gen.add_argument("--threads", type=int)
+    gen.set_defaults(func=_generate)
 
     bench = sub.add_parser("bench", help="benchmarks: ratios measured side by side in one run")
     bench.add_argument("what", choices=["attention"])

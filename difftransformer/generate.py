@@ -1,18 +1,26 @@
-"""Sampling from a TransformerLM: greedy, temperature, top-k and top-p, with a seed.
+"""Generation with a preallocated KV cache: one prefill over the prompts, then one-token decode steps.
 
-This version recomputes the whole sequence for every new token; it serves the demo and the tests until the
-KV-cache engine replaces its inside (the call stays the same).
+Greedy (temperature 0), temperature, top-k and top-p sampling with a seed; stop tokens and stop strings; batches
+of prompts of different lengths, left-padded, with the padding masked out of attention and the rotary positions
+of each prompt starting at 0.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 import torch
 
+from difftransformer.cache import KVCache
 from difftransformer.model import TransformerLM
 
 
 def sample_next(
-    logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None, generator: torch.Generator | None
+    logits: torch.Tensor,
+    temperature: float,
+    top_k: int | None,
+    top_p: float | None,
+    generator: torch.Generator | None,
 ) -> torch.Tensor:
     """One token id per row of ``logits`` (B, V): argmax when temperature is 0."""
     if temperature == 0:
@@ -26,42 +34,91 @@ def sample_next(
         probs = torch.softmax(sorted_logits, -1)
         drop = probs.cumsum(-1) - probs > top_p  # keep the smallest set whose mass reaches top_p
         logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
-    probs = torch.softmax(logits, -1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return torch.multinomial(torch.softmax(logits, -1), 1, generator=generator).squeeze(-1)
+
+
+def _as_prompts(prompt_tokens) -> tuple[list[list[int]], bool]:
+    if isinstance(prompt_tokens, torch.Tensor):
+        prompt_tokens = prompt_tokens.tolist()
+    if prompt_tokens and isinstance(prompt_tokens[0], (list, tuple)):
+        return [list(map(int, p)) for p in prompt_tokens], True
+    return [list(map(int, prompt_tokens))], False
 
 
 @torch.no_grad()
 def generate(
     model: TransformerLM,
-    prompt_tokens: list[int] | torch.Tensor,
+    prompt_tokens: Sequence[int] | Sequence[Sequence[int]] | torch.Tensor,
     max_new_tokens: int,
     temperature: float = 1.0,
     top_k: int | None = None,
     top_p: float | None = None,
     seed: int | None = None,
-    stop_tokens: tuple[int, ...] = (),
-) -> list[int]:
-    """New token ids after ``prompt_tokens`` (one prompt), stopping at a stop token (not included)."""
-    tokens = torch.as_tensor(prompt_tokens, dtype=torch.long).flatten()
+    stop_tokens: Sequence[int] = (),
+    stop_strings: Sequence[str] = (),
+    tokenizer=None,
+    on_token: Callable[[int, int], None] | None = None,
+    truncate: bool = False,
+) -> list[int] | list[list[int]]:
+    """New tokens after one prompt (a list of ids) or after each of several prompts (a list of lists).
+
+    A row stops at a stop token (not included) or once its decoded text contains a stop string (``tokenizer``
+    needed; the completing token is included). ``on_token(row, token)`` is called for every kept token, for
+    streaming. A prompt that does not fit the context with ``max_new_tokens`` raises, unless ``truncate=True``,
+    which keeps the prompt's last tokens.
+    """
+    prompts, batched = _as_prompts(prompt_tokens)
     limit = model.config.max_seq_len
-    if len(tokens) == 0:
-        raise ValueError("the prompt is empty; give at least one token")
-    if len(tokens) + max_new_tokens > limit:
-        raise ValueError(
-            f"prompt of {len(tokens)} tokens plus {max_new_tokens} new tokens exceeds the model's context of {limit}; "
-            "shorten the prompt or ask for fewer new tokens"
-        )
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+    if stop_strings and tokenizer is None:
+        raise ValueError("stop_strings needs the tokenizer to decode the generated text")
+    room = limit - max_new_tokens
+    for i, p in enumerate(prompts):
+        if not p:
+            raise ValueError(f"prompt {i} is empty; give at least one token")
+        if len(p) > room:
+            if not truncate or room < 1:
+                raise ValueError(
+                    f"prompt {i} has {len(p)} tokens; with {max_new_tokens} new tokens it exceeds the model's context "
+                    f"of {limit}. Shorten the prompt, ask for fewer tokens, or pass truncate=True (--truncate) to keep "
+                    f"its last {max(room, 0)} tokens"
+                )
+            prompts[i] = p[-room:]
     device = next(model.parameters()).device
     generator = torch.Generator(device).manual_seed(seed) if seed is not None else None
+    b, width = len(prompts), max(len(p) for p in prompts)
+    total = width + max_new_tokens
+    tokens = torch.zeros(b, width, dtype=torch.long, device=device)
+    keys = torch.ones(b, total, dtype=torch.bool, device=device)  # which positions may be attended
+    for i, p in enumerate(prompts):
+        tokens[i, width - len(p) :] = torch.tensor(p, device=device)
+        keys[i, : width - len(p)] = False
+    positions = (keys.long().cumsum(-1) - 1).clamp(min=0)
     was_training = model.training
     model.eval()
-    seq = tokens.to(device)[None]
-    out: list[int] = []
-    for _ in range(max_new_tokens):
-        nxt = sample_next(model(seq)[:, -1], temperature, top_k, top_p, generator)
-        if int(nxt) in stop_tokens:
+    cache = KVCache(total)
+    mask = keys[:, :width] if b > 1 else None
+    logits = model(tokens, mask=mask, positions=positions[:, :width], cache=cache)[:, -1]
+    out: list[list[int]] = [[] for _ in range(b)]
+    done = [False] * b
+    for step in range(max_new_tokens):
+        nxt = sample_next(logits, temperature, top_k, top_p, generator)
+        for i, tok in enumerate(nxt.tolist()):
+            if done[i]:
+                continue
+            if tok in stop_tokens:
+                done[i] = True
+                continue
+            out[i].append(tok)
+            if on_token is not None:
+                on_token(i, tok)
+            if stop_strings and any(s in tokenizer.decode(out[i]) for s in stop_strings):
+                done[i] = True
+        if all(done) or step == max_new_tokens - 1:
             break
-        out.append(int(nxt))
-        seq = torch.cat([seq, nxt[:, None]], dim=1)
+        end = width + step + 1
+        mask = keys[:, :end] if b > 1 else None
+        logits = model(nxt[:, None], mask=mask, positions=positions[:, end - 1 : end], cache=cache)[:, -1]
     model.train(was_training)
-    return out
+    return out if batched else out[0]

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from difftransformer.attention import ATTENTION, MultiheadDiffAttn
+from difftransformer.cache import KVCache
 from difftransformer.config import ModelConfig
 from difftransformer.layers import RMSNorm, SwiGLU
 
@@ -35,9 +36,13 @@ class Block(nn.Module):
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(
-        self, x: torch.Tensor, mask: torch.Tensor | None = None, positions: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+        cache: KVCache | None = None,
     ) -> torch.Tensor:
-        x = x + self.dropout(self.attn(self.attn_norm(x), mask=mask, positions=positions))
+        x = x + self.dropout(self.attn(self.attn_norm(x), mask=mask, positions=positions, cache=cache))
         return x + self.dropout(self.ffn(self.ffn_norm(x)))
 
 
@@ -88,22 +93,27 @@ class TransformerLM(nn.Module):
         tokens: torch.Tensor,
         mask: torch.Tensor | None = None,
         positions: torch.Tensor | None = None,
+        cache: KVCache | None = None,
     ) -> torch.Tensor:
         """tokens: (B, T) int64 -> logits (B, T, vocab_size).
 
-        mask: optional boolean (B, T) padding mask (True for real tokens) or (B, T, T) attention mask.
-        positions: optional (T,) or (B, T) positions for the rotary embedding (default 0..T-1).
+        mask: optional boolean (B, Tk) padding mask (True for real tokens) or (B, T, Tk) attention mask, where
+        Tk = T, or the cached positions plus T with a cache.
+        positions: optional (T,) or (B, T) positions for the rotary embedding (default 0..T-1, or after the cache).
+        cache: optional KVCache (see difftransformer.generate): keys and values of earlier positions, extended here.
         """
-        self._check_tokens(tokens)
+        self._check_tokens(tokens, 0 if cache is None else cache.length)
         x = self.embed(tokens)
         for block in self.layers:
-            x = block(x, mask=mask, positions=positions)
+            x = block(x, mask=mask, positions=positions, cache=cache)
+        if cache is not None:
+            cache.advance(tokens.shape[1])
         return self.lm_head(self.norm(x))
 
-    def _check_tokens(self, tokens: torch.Tensor) -> None:
+    def _check_tokens(self, tokens: torch.Tensor, cached: int) -> None:
         if tokens.dim() != 2 or tokens.dtype not in (torch.int64, torch.int32):
             raise ValueError(f"tokens must be a (batch, seq) integer tensor, got {tuple(tokens.shape)} {tokens.dtype}")
-        t = tokens.shape[1]
+        t = tokens.shape[1] + cached
         if t > self.config.max_seq_len:
             raise ValueError(
                 f"sequence of {t} tokens is longer than the model's context max_seq_len={self.config.max_seq_len}; "

@@ -30,10 +30,11 @@ from difftransformer.distributed import (
     unwrap,
 )
 from difftransformer.model import TransformerLM
+from difftransformer.runs import MODEL_CONFIG
 from difftransformer.tokenizer import load_tokenizer
 
 TRAIN_CONFIG = "train_config.json"
-MODEL_CONFIG = "model_config.json"
+
 METRICS = "metrics.jsonl"
 
 

@@ -95,6 +95,13 @@ def expand_mask(mask: torch.Tensor | None, batch: int, tq: int, tk: int) -> torc
     return mask.expand(mask.shape[0], 1, tq, tk)
 
 
+def cache_positions(positions: torch.Tensor | None, cache, t: int, device: torch.device) -> torch.Tensor | None:
+    """Rotary positions of T new tokens: the given ones, else those after the cache's filled length."""
+    if positions is None and cache is not None:
+        return torch.arange(cache.length, cache.length + t, device=device)
+    return positions
+
+
 def project_heads(
     attn: torch.nn.Module, x: torch.Tensor, positions: torch.Tensor | None, num_q_heads: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -20,8 +20,9 @@ import math
 import torch
 from torch import nn
 
-from difftransformer.attention.common import AttentionBase, expand_mask, rotary_for
+from difftransformer.attention.common import AttentionBase, cache_positions, expand_mask, rotary_for
 from difftransformer.attention.kernels import DIFF_IMPLS, diff_attention, diff_attention_plain, softmax_dtype
+from difftransformer.cache import KVCache
 from difftransformer.layers import RMSNorm
 from difftransformer.rotary import apply_rotary
 
@@ -99,13 +100,16 @@ class MultiheadDiffAttn(AttentionBase):
         mask: torch.Tensor | None = None,
         positions: torch.Tensor | None = None,
         need_weights: bool = False,
+        cache: KVCache | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """x: (B, T, D) -> (B, T, D); with need_weights also the differential map (B, H, T, T).
+        """x: (B, T, D) -> (B, T, D); with need_weights also the differential map (B, H, T, Tk).
 
-        mask: boolean, (B, T) key padding or (B, T, T) / (B, 1, T, T), True where attention is allowed.
-        positions: (T,) or (B, T) integer positions for the rotary embedding (default 0..T-1).
+        mask: boolean, (B, Tk) key padding or (B, T, Tk) / (B, 1, T, Tk), True where attention is allowed.
+        positions: (T,) or (B, T) integer positions for the rotary embedding (default 0..T-1, or after the cache).
+        cache: a KVCache; the new keys and values are stored and all cached ones attended (Tk = cached + T).
         """
         b, t, _ = x.shape
+        positions = cache_positions(positions, cache, t, x.device)
         d = self.head_dim
         q = self.q_proj(x).view(b, t, self.num_heads, 2, d)
         k = self.k_proj(x).view(b, t, self.num_kv_heads, 2, d)
@@ -116,7 +120,9 @@ class MultiheadDiffAttn(AttentionBase):
         q = q.permute(0, 2, 3, 1, 4)  # (B, H, 2, T, d)
         k = k.permute(0, 2, 3, 1, 4)  # (B, Hkv, 2, T, d)
         v = v.transpose(1, 2)  # (B, Hkv, T, 2d)
-        mask = expand_mask(mask, b, t, t)
+        if cache is not None:
+            k, v = cache.update(self.layer_idx, k, v)  # (B, Hkv, 2, Tk, d), (B, Hkv, Tk, 2d)
+        mask = expand_mask(mask, b, t, v.shape[-2])
         lam = self.lambda_full()
         if need_weights:
             attn, weights = diff_attention_plain(q, k, v, lam, scale=self.scaling, causal=self.causal, mask=mask)

@@ -14,8 +14,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from difftransformer.attention.common import AttentionBase, expand_mask, project_heads
+from difftransformer.attention.common import AttentionBase, cache_positions, expand_mask, project_heads
 from difftransformer.attention.kernels import softmax_dtype, standard_attention
+from difftransformer.cache import KVCache
 
 
 class MultiheadDiffAttnV2(AttentionBase):
@@ -53,12 +54,19 @@ class MultiheadDiffAttnV2(AttentionBase):
         mask: torch.Tensor | None = None,
         positions: torch.Tensor | None = None,
         need_weights: bool = False,
+        cache: KVCache | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """x: (B, T, D) -> (B, T, D); with need_weights also the differential map (B, H, T, T)."""
+        """x: (B, T, D) -> (B, T, D); with need_weights also the differential map (B, H, T, Tk).
+
+        mask, positions and cache as in MultiheadDiffAttn.forward.
+        """
         b, t, _ = x.shape
+        positions = cache_positions(positions, cache, t, x.device)
         d, h = self.head_dim, self.num_heads
         q, k, v = project_heads(self, x, positions, 2 * h)  # (B, heads, T, d)
-        mask = expand_mask(mask, b, t, t)
+        if cache is not None:
+            k, v = cache.update(self.layer_idx, k, v)  # (B, Hkv, Tk, d)
+        mask = expand_mask(mask, b, t, v.shape[-2])
         attn, probs = standard_attention(
             q, k, v, scale=self.scaling, causal=self.causal, mask=mask, need_weights=need_weights
         )  # (B, 2H, T, d)

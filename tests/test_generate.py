@@ -1,0 +1,183 @@
+"""KV-cache generation: cached decoding equals the full forward pass, batching, sampling options, errors."""
+
+import pytest
+import torch
+
+from difftransformer import ModelConfig, TransformerLM
+from difftransformer.cache import KVCache
+from difftransformer.generate import generate, sample_next
+from difftransformer.tokenizer import ByteTokenizer
+
+
+def tiny(attention="diff", **kw):
+    torch.manual_seed(0)
+    return TransformerLM(ModelConfig.preset("tiny", attention=attention, n_layers=3, **kw)).eval()
+
+
+@pytest.mark.parametrize("attention", ["diff", "diff_v2", "standard"])
+@pytest.mark.parametrize("n_kv_heads", [8, 2])
+@pytest.mark.parametrize("impl", ["auto", "block", "sdpa"])
+def test_cached_decoding_equals_full_forward(attention, n_kv_heads, impl):
+    model = tiny(attention, n_kv_heads=n_kv_heads, attn_impl=impl)
+    tokens = torch.randint(0, 256, (2, 40))
+    with torch.no_grad():
+        full = model(tokens)
+        cache = KVCache(48)
+        steps = [model(tokens[:, :25], cache=cache)] + [model(tokens[:, i : i + 1], cache=cache) for i in range(25, 40)]
+    assert cache.length == 40
+    assert (torch.cat(steps, 1) - full).abs().max().item() < 1e-5
+
+
+def greedy_without_cache(model, prompt, n):
+    seq = list(prompt)
+    for _ in range(n):
+        with torch.no_grad():
+            seq.append(int(model(torch.tensor([seq]))[0, -1].argmax()))
+    return seq[len(prompt) :]
+
+
+@pytest.mark.parametrize("attention", ["diff", "standard"])
+def test_greedy_matches_recomputing_everything(attention):
+    model = tiny(attention)
+    prompt = [5, 17, 99, 3, 250, 41]
+    assert generate(model, prompt, 20, temperature=0) == greedy_without_cache(model, prompt, 20)
+
+
+def test_batched_left_padded_prompts_match_single_prompts():
+    model = tiny(n_kv_heads=4)
+    prompts = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [200, 100], [7, 7, 7, 7, 7]]
+    batched = generate(model, prompts, 12, temperature=0)
+    assert batched == [generate(model, p, 12, temperature=0) for p in prompts]
+
+
+def test_sampling_options():
+    model = tiny()
+    prompt = [10, 20, 30]
+    a = generate(model, prompt, 15, temperature=1.0, seed=3)
+    assert a == generate(model, prompt, 15, temperature=1.0, seed=3)
+    assert a != generate(model, prompt, 15, temperature=1.0, seed=4)
+    greedy = generate(model, prompt, 15, temperature=0)
+    assert generate(model, prompt, 15, temperature=1.0, top_k=1, seed=5) == greedy
+    assert generate(model, prompt, 15, temperature=1.0, top_p=1e-6, seed=5) == greedy
+    logits = torch.tensor([[0.0, 1.0, 2.0, 3.0]])
+    draws = {int(sample_next(logits, 1.0, 2, None, torch.Generator().manual_seed(s))) for s in range(50)}
+    assert draws == {2, 3}  # top-k 2 keeps the two largest
+    # softmax = (0.032, 0.087, 0.237, 0.644): top-p keeps the smallest set whose mass reaches p
+    for p, kept in ((0.6, {3}), (0.7, {2, 3}), (0.95, {1, 2, 3})):
+        draws = {int(sample_next(logits, 1.0, None, p, torch.Generator().manual_seed(s))) for s in range(80)}
+        assert draws == kept, p
+
+
+def test_stop_tokens_and_strings():
+    model = tiny()
+    prompt = [65, 66, 67]
+    free = generate(model, prompt, 30, temperature=0)
+    stop = free[5]
+    first = free.index(stop)
+    assert generate(model, prompt, 30, temperature=0, stop_tokens=[stop]) == free[:first]
+    tok = ByteTokenizer()
+    text = tok.decode(free)
+    target = text[3:5]
+    out = generate(model, prompt, 30, temperature=0, stop_strings=[target], tokenizer=tok)
+    assert target in tok.decode(out) and target not in tok.decode(out[:-1])
+    streamed = []
+    generate(model, prompt, 10, temperature=0, on_token=lambda row, t: streamed.append((row, t)))
+    assert streamed == [(0, t) for t in free[:10]]
+
+
+def test_prompt_longer_than_context():
+    model = tiny(max_seq_len=32)
+    with pytest.raises(
+        ValueError, match="prompt 0 has 30 tokens; with 5 new tokens it exceeds the model's context of 32"
+    ):
+        generate(model, list(range(30)), 5)
+    out = generate(model, list(range(30)), 5, temperature=0, truncate=True)
+    assert out == generate(model, list(range(3, 30)), 5, temperature=0)
+    with pytest.raises(ValueError, match="prompt 0 is empty"):
+        generate(model, [], 5)
+
+
+def test_load_run_and_generate_command(prepared, tmp_path, capsys):
+    from difftransformer import load_run
+    from difftransformer.cli import main
+    from difftransformer.train import TrainConfig, train
+
+    small = {"d_model": 64, "n_layers": 2, "n_heads": 4, "tie_embeddings": True}
+    cfg = TrainConfig(
+        data=str(prepared),
+        out=str(tmp_path / "run"),
+        model=small,
+        seq_len=32,
+        batch_size=4,
+        max_steps=3,
+        eval_interval=3,
+        ckpt_interval=3,
+        eval_tokens=128,
+        threads=1,
+    )
+    train(cfg, quiet=True)
+    model, tok = load_run(tmp_path / "run")
+    assert model.lm_head.weight is model.embed.weight and not model.training
+    ids = generate(model, tok.encode("the "), 10, temperature=0)
+    assert (
+        main(
+            [
+                "generate",
+                "--run",
+                str(tmp_path / "run"),
+                "--prompt",
+                "the ",
+                "--max-new-tokens",
+                "10",
+                "--temperature",
+                "0",
+            ]
+        )
+        == 0
+    )
+    assert capsys.readouterr().out == "the " + tok.decode(ids) + "\n"
+
+
+def test_load_run_errors(prepared, tmp_path):
+    import shutil
+
+    from difftransformer import load_run
+    from difftransformer.checkpoint import list_checkpoints
+    from difftransformer.train import TrainConfig, train
+
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_run(tmp_path / "nope")
+    cfg = TrainConfig(
+        data=str(prepared),
+        out=str(tmp_path / "run"),
+        model={"d_model": 64, "n_layers": 2, "n_heads": 4},
+        seq_len=32,
+        batch_size=4,
+        max_steps=2,
+        eval_interval=2,
+        ckpt_interval=2,
+        eval_tokens=128,
+        threads=1,
+    )
+    train(cfg, quiet=True)
+    run = tmp_path / "run"
+    weights = list_checkpoints(run)[-1] / "model.safetensors"
+    good = weights.read_bytes()
+    weights.write_bytes(good[: len(good) // 2])
+    with pytest.raises(ValueError, match="corrupt or truncated"):
+        load_run(run)
+    weights.write_bytes(good)
+    config = (run / "model_config.json").read_text()
+    (run / "model_config.json").write_text(config.replace('"n_layers": 2', '"n_layers": 3'))
+    with pytest.raises(ValueError, match="does not match .*model_config.json.*missing layers.2"):
+        load_run(run)
+    (run / "model_config.json").write_text(config.replace('"d_model": 64', '"d_model": 128'))
+    with pytest.raises(ValueError, match="embed.weight has shape"):
+        load_run(run)
+    (run / "model_config.json").unlink()
+    with pytest.raises(FileNotFoundError, match="model_config.json is missing"):
+        load_run(run)
+    (run / "model_config.json").write_text(config)
+    shutil.rmtree(run / "checkpoints")
+    with pytest.raises(FileNotFoundError, match="has no checkpoint"):
+        load_run(run)
