@@ -13,6 +13,9 @@ from pathlib import Path
 import torch
 
 from difftransformer.attention import MultiheadAttention, MultiheadDiffAttn
+from difftransformer.cache import KVCache
+from difftransformer.config import ModelConfig
+from difftransformer.model import TransformerLM
 
 
 def machine() -> dict:
@@ -101,6 +104,72 @@ def format_attention(result: dict) -> str:
         ms = [f"{sec[n] * 1e3:.1f}" if n in sec else "-" for n in impls]
         ratios = [f"{sec[n] / sec['standard']:.2f}" if n in sec else "-" for n in impls[1:]]
         lines.append(f"| {row['seq']} | {row['direction']} | " + " | ".join(ms + ratios) + " |")
+    return "\n".join(lines)
+
+
+def _decode_seconds(model: TransformerLM, context: int, tokens: int) -> list[float]:
+    """Seconds of each one-token decode step after a prefill of ``context`` random tokens (batch 1)."""
+    cache = KVCache(context + tokens + 1)
+    token = torch.randint(0, model.config.vocab_size, (1, 1))
+    with torch.no_grad():
+        model(torch.randint(0, model.config.vocab_size, (1, context)), cache=cache)
+        model(token, cache=cache)  # warm-up step
+        times = []
+        for _ in range(tokens):
+            start = time.perf_counter()
+            model(token, cache=cache)
+            times.append(time.perf_counter() - start)
+    return times
+
+
+def bench_decode(contexts: list[int], preset: str = "small", tokens: int = 32, repeats: int = 3) -> dict:
+    """Decode tokens/s with a KV cache, DIFF vs standard built from the same preset (batch 1)."""
+    models = {}
+    for attention in ("diff", "standard"):
+        torch.manual_seed(0)
+        cfg = ModelConfig.preset(preset, attention=attention, max_seq_len=max(contexts) + tokens + 1)
+        models[attention] = TransformerLM(cfg).eval()
+    rows = []
+    for context in contexts:
+        samples: dict[str, list[float]] = {name: [] for name in models}
+        for _ in range(repeats):  # interleaved, so that machine load hits both alike
+            for name, model in models.items():
+                samples[name] += _decode_seconds(model, context, tokens)
+        rows.append({"context": context, "tokens_per_s": {n: 1 / statistics.median(t) for n, t in samples.items()}})
+    cfg = models["diff"].config
+    return {
+        "benchmark": "decode",
+        "machine": machine(),
+        "dtype": "float32",
+        "shapes": dict(
+            preset=preset,
+            batch=1,
+            d_model=cfg.d_model,
+            n_layers=cfg.n_layers,
+            standard_heads=cfg.n_heads,
+            diff_heads=cfg.n_heads // 2,
+            head_dim=cfg.head_dim,
+            new_tokens=tokens,
+        ),
+        "repeats": repeats,
+        "rows": rows,
+    }
+
+
+def format_decode(result: dict) -> str:
+    m, s = result["machine"], result["shapes"]
+    lines = [
+        f"decode benchmark: {m['cpu']}, torch {m['torch']}, {m['threads']} thread(s), {result['dtype']}",
+        f"preset {s['preset']} (d_model {s['d_model']}, {s['n_layers']} layers, DIFF {s['diff_heads']} heads vs "
+        f"standard {s['standard_heads']} of size {s['head_dim']}), batch 1, median over "
+        f"{result['repeats']} x {s['new_tokens']} one-token steps after a prefill",
+        "",
+        "| context | standard tokens/s | DIFF tokens/s | DIFF / standard |",
+        "|---|---|---|---|",
+    ]
+    for row in result["rows"]:
+        t = row["tokens_per_s"]
+        lines.append(f"| {row['context']} | {t['standard']:.1f} | {t['diff']:.1f} | {t['diff'] / t['standard']:.2f} |")
     return "\n".join(lines)
 
 

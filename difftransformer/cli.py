@@ -44,10 +44,14 @@ def _bench(args: argparse.Namespace) -> int:
     threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
     try:
-        result = bench.bench_attention(args.seq, args.dim, args.heads, args.batch, args.repeats)
+        if args.what == "attention":
+            result = bench.bench_attention(args.seq, args.dim, args.heads, args.batch, args.repeats)
+            print(bench.format_attention(result))
+        else:
+            result = bench.bench_decode(args.context, args.preset, args.tokens, args.repeats)
+            print(bench.format_decode(result))
     finally:
         torch.set_num_threads(threads)
-    print(bench.format_attention(result))
     if args.json:
         bench.write_json(result, args.json)
     return 0
@@ -253,12 +257,15 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=_generate)
 
     bench = sub.add_parser("bench", help="benchmarks: ratios measured side by side in one run")
-    bench.add_argument("what", choices=["attention"])
+    bench.add_argument("what", choices=["attention", "decode"])
+    bench.add_argument("--context", type=int, nargs="+", default=[512, 2048], help="decode: prompt lengths")
+    bench.add_argument("--preset", default="small", help="decode: the model preset")
+    bench.add_argument("--tokens", type=int, default=32, help="decode: timed steps per repeat")
     bench.add_argument("--seq", type=int, nargs="+", default=[1024, 4096])
     bench.add_argument("--dim", type=int, default=512)
     bench.add_argument("--heads", type=int, default=8, help="standard heads (DIFF uses half)")
     bench.add_argument("--batch", type=int, default=1)
-    bench.add_argument("--repeats", type=int, default=5)
+    bench.add_argument("--repeats", type=int, default=3)
     bench.add_argument("--threads", type=int, default=1)
     bench.add_argument("--json", help="also write the results to this JSON file")
     bench.set_defaults(func=_bench)

@@ -39,3 +39,30 @@ def test_bench_attention_smoke(tmp_path, capsys):
     for row in result["rows"]:
         assert set(row["seconds"]) == {"standard", "sdpa", "block", "plain"}
         assert all(v > 0 for v in row["seconds"].values())
+
+
+def test_bench_decode_smoke(tmp_path, capsys):
+    out = tmp_path / "decode.json"
+    assert (
+        main(
+            [
+                "bench",
+                "decode",
+                "--context",
+                "16",
+                "32",
+                "--preset",
+                "tiny",
+                "--tokens",
+                "2",
+                "--repeats",
+                "1",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
+    assert "| 16 |" in capsys.readouterr().out
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["context"] for r in rows] == [16, 32] and all(r["tokens_per_s"]["diff"] > 0 for r in rows)

@@ -181,3 +181,19 @@ def test_load_run_errors(prepared, tmp_path):
     shutil.rmtree(run / "checkpoints")
     with pytest.raises(FileNotFoundError, match="has no checkpoint"):
         load_run(run)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_decode_rows_path_equals_plain(causal):
+    """The no-gradient path for a few query rows (decoding) against the plain path, with a padding mask and GQA."""
+    from difftransformer.attention import kernels
+
+    b, h, hkv, tq, tk, d = 2, 4, 2, 3, 20, 8
+    q, k = torch.randn(b, h, 2, tq, d), torch.randn(b, hkv, 2, tk, d)
+    v, lam = torch.randn(b, hkv, tk, 2 * d), torch.tensor(0.6)
+    mask = torch.ones(b, 1, tq, tk, dtype=torch.bool)
+    mask[1, :, :, :6] = False
+    with torch.no_grad():
+        fast = kernels.diff_attention(q, k, v, lam, scale=d**-0.5, causal=causal, mask=mask, impl="auto")
+        plain, _ = kernels.diff_attention_plain(q, k, v, lam, scale=d**-0.5, causal=causal, mask=mask)
+    torch.testing.assert_close(fast, plain, rtol=1e-5, atol=1e-6)

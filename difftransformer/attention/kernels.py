@@ -43,6 +43,9 @@ BLOCK_ROWS = 64
 # On CPU the block method beats the fused sdpa path (which does 2x the arithmetic) from half-head size 64 up;
 # below that its elementwise passes dominate and sdpa is faster (training steps measured at d = 16, 32, 64).
 BLOCK_MIN_HEAD_DIM = 64
+# Without gradients and with at most this many query rows (decoding from a KV cache), ``auto`` computes full
+# rows directly: each group's keys and its 2d-wide values are read once per token for both maps.
+DECODE_ROWS = 16
 BLOCK_ELEMENTS = 1 << 23
 DIFF_IMPLS = ("auto", "sdpa", "block", "plain")
 
@@ -209,6 +212,8 @@ def diff_attention(
     """Exact differential attention ``(softmax(q1 k1^T) - lambda softmax(q2 k2^T)) v`` -> (B, H, Tq, 2d)."""
     if impl not in DIFF_IMPLS:
         raise ValueError(f"unknown differential attention impl {impl!r}; choose one of {DIFF_IMPLS}")
+    if impl == "auto" and q.shape[3] <= DECODE_ROWS and not torch.is_grad_enabled():
+        return _diff_decode(q, k, v, lambda_full, scale, causal, mask)
     if impl == "auto":
         impl = "block" if q.device.type == "cpu" and q.shape[-1] >= BLOCK_MIN_HEAD_DIM else "sdpa"
     if impl == "plain":
@@ -217,6 +222,20 @@ def diff_attention(
         block = block_size(q.shape[0], q.shape[1], q.shape[3], k.shape[3])
         return _BlockDiffAttention.apply(q, k, v, lambda_full, scale, causal, mask, block)
     return _diff_attention_sdpa(q, k, v, lambda_full, scale, causal, mask)
+
+
+def _diff_decode(q, k, v, lambda_full, scale, causal, mask):
+    """A few query rows (decoding from a cache), no gradient: full rows, keys and values read once per group."""
+    b, h, _, tq, d = q.shape
+    hkv, tk = k.shape[1], k.shape[3]
+    rep = h // hkv
+    qg = (q * scale).view(b, hkv, rep, 2, tq, d).transpose(2, 3)  # (B, Hkv, 2, rep, Tq, d)
+    scores, empty = _block_scores(qg, k, causal, mask, 0, tk - tq)
+    probs = torch.softmax(scores, dim=-1)
+    if empty is not None:  # rows that may attend nothing get zeros, as on every other path
+        probs = probs.masked_fill(empty, 0.0)
+    diff = torch.addcmul(probs[:, :, 0], probs[:, :, 1], lambda_full.to(probs.dtype), value=-1)  # (B, Hkv, rep, Tq, Tk)
+    return torch.matmul(diff.flatten(2, 3).to(v.dtype), v).view(b, h, tq, v.shape[-1])
 
 
 def _diff_attention_sdpa(q, k, v, lambda_full, scale, causal, mask):
