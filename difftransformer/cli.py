@@ -170,6 +170,20 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _convert(args: argparse.Namespace) -> int:
+    from difftransformer.convert import hf_to_run, run_to_hf
+
+    if bool(args.run) == bool(args.from_hf):
+        raise ValueError("give either --run RUN --to hf, or --from-hf DIR")
+    if args.run:
+        out = run_to_hf(args.run, args.out)
+        print(f"{args.run} -> {out} (Hugging Face save_pretrained directory)")
+    else:
+        out = hf_to_run(args.from_hf, args.out)
+        print(f"{args.from_hf} -> {out} (run directory)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="difftx", description="The Differential Transformer: tools.")
     parser.add_argument("--version", action="version", version=f"difftransformer {__version__}")
@@ -255,6 +269,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--truncate", action="store_true", help="keep the end of a prompt longer than the context")
     gen.add_argument("--threads", type=int)
     gen.set_defaults(func=_generate)
+
+    conv = sub.add_parser("convert", help="a run to a Hugging Face directory (--to hf), or back (--from-hf)")
+    conv.add_argument("--run", help="the run directory to convert")
+    conv.add_argument("--to", choices=["hf"], default="hf")
+    conv.add_argument("--from-hf", help="a DiffLlama or Llama save_pretrained directory")
+    conv.add_argument("--out", required=True)
+    conv.set_defaults(func=_convert)
 
     bench = sub.add_parser("bench", help="benchmarks: ratios measured side by side in one run")
     bench.add_argument("what", choices=["attention", "decode"])

@@ -42,6 +42,26 @@ class ByteTokenizer:
     def save(self, directory: str | Path) -> None:
         _write_spec(directory, {"kind": self.kind, "vocab_size": self.vocab_size})
 
+    def to_hf(self):
+        """The same tokenizer as a Hugging Face ``tokenizers.Tokenizer``: byte-level BPE without merges, whose ids
+        are the byte values (GPT-2's byte-to-character alphabet), and the end-of-text token 256."""
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+        printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+        chars, extra = {}, 0
+        for b in range(256):
+            if b in printable:
+                chars[b] = chr(b)
+            else:
+                chars[b] = chr(256 + extra)
+                extra += 1
+        vocab = {chars[b]: b for b in range(256)} | {EOT: self.eot_id}
+        tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        tok.decoder = decoders.ByteLevel()
+        tok.add_special_tokens([EOT])
+        return tok
+
     def fingerprint(self) -> str:
         return "byte-257"
 
@@ -90,6 +110,9 @@ class HFTokenizer:
             if token is not None and token not in special:
                 counts[i] = len(self._tok.decode([i]).encode("utf-8"))
         return counts
+
+    def to_hf(self):
+        return self._tok
 
     def save(self, directory: str | Path) -> None:
         directory = Path(directory)
