@@ -125,7 +125,7 @@ def _train(args: argparse.Namespace) -> int:
 
 
 TRAIN_FIELDS = (
-    "data preset attention seq_len batch_size grad_accum max_steps lr warmup_steps weight_decay grad_clip "
+    "data init_from preset attention seq_len batch_size grad_accum max_steps lr warmup_steps weight_decay grad_clip "
     "eval_interval eval_tokens log_interval ckpt_interval keep_last seed device dtype compile parallel threads"
 ).split()
 
@@ -179,7 +179,7 @@ def _convert(args: argparse.Namespace) -> int:
         out = run_to_hf(args.run, args.out)
         print(f"{args.run} -> {out} (Hugging Face save_pretrained directory)")
     else:
-        out = hf_to_run(args.from_hf, args.out)
+        out = hf_to_run(args.from_hf, args.out, attention=args.attention)
         print(f"{args.from_hf} -> {out} (run directory)")
     return 0
 
@@ -230,6 +230,9 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--data")
     tr.add_argument("--out", help="run directory (default runs/<attention>-<preset>)")
     tr.add_argument("--resume", metavar="RUN", help="continue the run in this directory from its last checkpoint")
+    tr.add_argument(
+        "--init-from", metavar="RUN", help="start from the newest weights of this run (e.g. a converted model)"
+    )
     tr.add_argument("--preset")
     tr.add_argument("--attention", choices=["diff", "diff_v2", "standard"])
     tr.add_argument("--model", help="JSON object of ModelConfig overrides, e.g. '{\"n_layers\": 4}'")
@@ -274,6 +277,7 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--run", help="the run directory to convert")
     conv.add_argument("--to", choices=["hf"], default="hf")
     conv.add_argument("--from-hf", help="a DiffLlama or Llama save_pretrained directory")
+    conv.add_argument("--attention", choices=["diff"], help="with --from-hf of a Llama: build a DIFF model from it")
     conv.add_argument("--out", required=True)
     conv.set_defaults(func=_convert)
 

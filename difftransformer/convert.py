@@ -14,7 +14,7 @@ from pathlib import Path
 
 from difftransformer.checkpoint import save_checkpoint
 from difftransformer.data import check_new_dir
-from difftransformer.hf import from_hf, to_hf
+from difftransformer.hf import calibrate_subln, from_hf, llama_to_diff, to_hf
 from difftransformer.runs import MODEL_CONFIG, load_run
 from difftransformer.tokenizer import EOT, HF_FILE, HFTokenizer
 
@@ -53,8 +53,27 @@ def run_to_hf(run_dir: str | Path, out_dir: str | Path) -> Path:
     return _atomic_dir(Path(out_dir), write)
 
 
-def hf_to_run(hf_dir: str | Path, out_dir: str | Path) -> Path:
-    """A run directory (config, a step-0 checkpoint, tokenizer) from a DiffLlama or Llama directory."""
+def _calibration_tokens(tokenizer, max_len: int, rows: int = 4, length: int = 256):
+    """A few windows of the built-in corpus in the model's tokenizer, to calibrate a converted model."""
+    import torch
+
+    from difftransformer.corpus import pydocs_documents
+
+    length = min(length, max_len)
+    ids: list[int] = []
+    for doc in pydocs_documents():
+        ids += tokenizer.encode(doc)
+        if len(ids) >= rows * length:
+            break
+    return torch.tensor(ids[: rows * length]).view(rows, length)
+
+
+def hf_to_run(hf_dir: str | Path, out_dir: str | Path, attention: str | None = None) -> Path:
+    """A run directory (config, a step-0 checkpoint, tokenizer) from a DiffLlama or Llama directory.
+
+    ``attention="diff"`` with a Llama builds a DIFF model from it (``llama_to_diff``), its per-head norms
+    calibrated on the built-in corpus; ``difftx train --init-from`` then trains it.
+    """
     import json
 
     from transformers import AutoModelForCausalLM
@@ -74,6 +93,10 @@ def hf_to_run(hf_dir: str | Path, out_dir: str | Path) -> Path:
     except (OSError, ValueError) as err:
         raise ValueError(f"transformers could not load {hf_dir}: {err}") from None
     model = from_hf(hf_model)
+    if attention == "diff" and model.config.attention != "diff":
+        reference = model
+        model = llama_to_diff(hf_model)
+        calibrate_subln(model, reference, _calibration_tokens(tokenizer, model.config.max_seq_len))
 
     def write(tmp: Path) -> None:
         model.config.to_json(tmp / MODEL_CONFIG)

@@ -11,6 +11,8 @@ conversion is an exact permutation of rows (plus that folding); tests check it a
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from difftransformer.config import ModelConfig
@@ -181,3 +183,71 @@ def from_hf(hf_model) -> TransformerLM:
             sd[q + "attn.v_proj.weight"] = src[p + "self_attn.v_proj.weight"]
     model.load_state_dict(sd, strict=True)
     return model.eval()
+
+
+def llama_to_diff(hf_model, lambda_start: float = -1.0) -> TransformerLM:
+    """A DIFF TransformerLM initialised from a standard ``LlamaForCausalLM`` (PAPER.md sections 1 and 2).
+
+    Head mapping: within each Llama key/value head pair (2g, 2g+1), query heads (2g) * rep + r and
+    (2g + 1) * rep + r become the two components of DIFF head g * rep + r, so each component keeps its own keys;
+    group g's 2d-wide value is the concatenation of Llama value heads 2g and 2g+1, and out_proj takes the two
+    query heads' columns. Embeddings, norms and FFN are copied. The lambda vectors are set so that lambda starts
+    at ``lambda_start`` and ``subln.weight`` at 1 / (1 - lambda_init); call ``calibrate_subln`` with some text to
+    match each layer's output scale to the original. No choice reproduces the original exactly (a DIFF head applies
+    one combined map to both halves of its value, where the two Llama heads apply their own maps); the default
+    lambda = -1 adds the two maps, which keeps both heads' own terms, and measured closest: a trained tiny
+    standard model (validation loss 2.12) converted with lambda 0, -0.3, -0.7 and -1 started at 2.93, 2.73, 2.59
+    and 2.54 after calibration (README, "Starting from a pretrained Llama").
+    """
+    base = from_hf(hf_model)
+    cfg = base.config
+    if cfg.attention != "standard" or cfg.n_heads % 2 or cfg.n_kv_heads % 2:
+        raise ValueError(
+            "llama_to_diff takes a LlamaForCausalLM with even numbers of query and key/value heads, got "
+            f"{cfg.attention} with {cfg.n_heads} and {cfg.n_kv_heads}"
+        )
+    diff = TransformerLM(ModelConfig.from_dict({**cfg.to_dict(), "attention": "diff"}))
+    d, rep = cfg.head_dim, cfg.n_heads // cfg.n_kv_heads
+    sd = {k: v for k, v in base.state_dict().items() if ".attn." not in k}
+    for i, (src, dst) in enumerate(zip(base.layers, diff.layers, strict=True)):
+        a, p = src.attn, f"layers.{i}.attn."
+        q = a.q_proj.weight.view(cfg.n_kv_heads // 2, 2, rep, d, -1)  # (group, component, r, d, D)
+        sd[p + "q_proj.weight"] = q.transpose(1, 2).reshape(-1, cfg.d_model)  # rows (g, r, component, d)
+        sd[p + "k_proj.weight"] = a.k_proj.weight  # kv head 2g + c is component c of group g
+        sd[p + "v_proj.weight"] = a.v_proj.weight  # group g's value: heads 2g and 2g + 1
+        out = a.out_proj.weight.view(cfg.d_model, cfg.n_kv_heads // 2, 2, rep, d)
+        sd[p + "out_proj.weight"] = out.transpose(2, 3).reshape(cfg.d_model, -1)
+        lambda_init = dst.attn.lambda_init
+        small = math.sqrt(0.01 / d)  # lambda_q1 . lambda_k1 = 0.01, small but trainable
+        second = math.sqrt(max(math.log(math.exp(0.01) + lambda_init - lambda_start), 1e-6) / d)
+        for name, value in (("lambda_q1", small), ("lambda_k1", small), ("lambda_q2", second), ("lambda_k2", second)):
+            sd[p + name] = torch.full((d,), value)
+        sd[p + "subln.weight"] = torch.full((2 * d,), 1.0 / (1.0 - lambda_init))
+    diff.load_state_dict(sd, strict=True)
+    return diff.eval()
+
+
+@torch.no_grad()
+def calibrate_subln(diff: TransformerLM, reference: TransformerLM, tokens: torch.Tensor) -> None:
+    """Scale each layer's ``subln.weight`` so that the DIFF heads' outputs have the RMS that the reference
+    (standard) model's heads have on ``tokens``, layer by layer (both models see the reference's hidden states)."""
+    captured: dict[str, torch.Tensor] = {}
+
+    def keep(name: str):  # a pre-hook that records the heads' concatenated output (out_proj's input)
+        return lambda _module, args: captured.__setitem__(name, args[0])
+
+    x = reference.embed(tokens)
+    for src, dst in zip(reference.layers, diff.layers, strict=True):
+        h = src.attn_norm(x)
+        hooks = [
+            src.attn.out_proj.register_forward_pre_hook(keep("std")),
+            dst.attn.out_proj.register_forward_pre_hook(keep("diff")),
+        ]
+        src.attn(h)
+        dst.attn(h)
+        for hook in hooks:
+            hook.remove()
+        target = captured["std"].pow(2).mean().sqrt()
+        current = captured["diff"].pow(2).mean().sqrt()
+        dst.attn.subln.weight.mul_(target / current)
+        x = src(x)

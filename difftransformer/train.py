@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from difftransformer.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
+from difftransformer.checkpoint import list_checkpoints, load_checkpoint, load_model_tensors, save_checkpoint
 from difftransformer.config import ModelConfig
 from difftransformer.data import TokenData, WindowSampler, check_new_dir, eval_windows
 from difftransformer.distributed import (
@@ -48,6 +48,7 @@ class TrainConfig:
     preset: str = "tiny"
     attention: str = "diff"
     model: dict[str, Any] = field(default_factory=dict)  # ModelConfig overrides
+    init_from: str | None = None  # a run directory whose newest weights (and model config) start this run
     seq_len: int | None = None  # None: min(preset max_seq_len, 256)
     batch_size: int = 16  # sequences per optimizer step, all processes together
     grad_accum: int = 1
@@ -209,6 +210,13 @@ class Trainer:
                     f"uses {run_tok.fingerprint()}: resume with the data the run was started on"
                 )
             self.model_config = ModelConfig.from_json(self.run_dir / MODEL_CONFIG)
+        elif cfg.init_from:
+            self.model_config = ModelConfig.from_json(Path(cfg.init_from) / MODEL_CONFIG)
+            if self.model_config.vocab_size != data_tok["vocab_size"]:
+                raise ValueError(
+                    f"--init-from {cfg.init_from} has a vocabulary of {self.model_config.vocab_size}, the data's "
+                    f"tokenizer {data_tok['vocab_size']}: prepare the data with that run's tokenizer"
+                )
         else:
             self.model_config = cfg.model_config(data_tok["vocab_size"])
         if cfg.seq_len is None:
@@ -224,6 +232,8 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         with torch.device(self.world.device):
             model = TransformerLM(self.model_config)
+        if cfg.init_from and not resume:
+            model.load_state_dict(load_model_tensors(list_checkpoints(cfg.init_from)[-1]), strict=True)
         self.model = parallelize(model, cfg.parallel, self.world, compile=cfg.compile)
         self.optimizer = make_optimizer(self.model, cfg)
         self.amp = autocast_dtype(cfg, self.world.device)

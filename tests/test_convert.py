@@ -67,3 +67,88 @@ def test_convert_errors_write_nothing(prepared, tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
     assert not any((tmp_path / name).exists() for name in ("r1", "r2", "r3"))
     assert not list(tmp_path.glob(".r*"))
+
+
+def test_llama_to_diff_head_mapping():
+    from difftransformer.hf import from_hf, llama_to_diff
+
+    cfg = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=64,
+    )
+    llama = transformers.LlamaForCausalLM(cfg)
+    base, diff = from_hf(llama), llama_to_diff(llama)
+    d, rep = 8, 2
+    a, b = base.layers[0].attn, diff.layers[0].attn
+    assert b.num_heads == 4 and b.num_kv_heads == 2
+    q_std, q_diff = a.q_proj.weight.view(8, d, 64), b.q_proj.weight.view(4, 2, d, 64)
+    out_std, out_diff = a.out_proj.weight.view(64, 8, d), b.out_proj.weight.view(64, 4, 2, d)
+    for g in range(2):
+        for r in range(rep):
+            for c in range(2):
+                llama_head = (2 * g + c) * rep + r  # uses key/value head 2g + c
+                assert torch.equal(q_diff[g * rep + r, c], q_std[llama_head])
+                assert torch.equal(out_diff[:, g * rep + r, c], out_std[:, llama_head])
+    assert torch.equal(b.k_proj.weight, a.k_proj.weight) and torch.equal(b.v_proj.weight, a.v_proj.weight)
+    assert b.lambda_full().item() == pytest.approx(-1.0, abs=1e-5)
+
+
+def test_llama_converted_to_diff_starts_close_and_trains(prepared, tmp_path):
+    """A trained standard model -> Llama directory -> DIFF run: its loss starts near the original's, then training
+    from it (--init-from) lowers it."""
+    import torch.nn.functional as F
+
+    from difftransformer.data import TokenData, eval_windows
+
+    cfg = TrainConfig(
+        data=str(prepared),
+        out=str(tmp_path / "std"),
+        attention="standard",
+        seq_len=64,
+        batch_size=8,
+        max_steps=60,
+        eval_interval=60,
+        ckpt_interval=60,
+        eval_tokens=512,
+        threads=1,
+        lr=3e-3,
+        model={"d_model": 64, "n_layers": 2, "n_heads": 4},
+    )
+    train(cfg, quiet=True)
+    assert main(["convert", "--run", str(tmp_path / "std"), "--out", str(tmp_path / "llama")]) == 0
+    assert (
+        main(["convert", "--from-hf", str(tmp_path / "llama"), "--attention", "diff", "--out", str(tmp_path / "diff0")])
+        == 0
+    )
+    std, _ = load_run(tmp_path / "std")
+    diff, _ = load_run(tmp_path / "diff0")
+    assert diff.config.attention == "diff"
+    windows = eval_windows(TokenData(prepared, "val"), 64, 64 * 16)
+
+    def loss(model):
+        with torch.no_grad():
+            return F.cross_entropy(model(windows[:, :-1]).flatten(0, 1), windows[:, 1:].flatten()).item()
+
+    original, converted = loss(std), loss(diff)
+    assert converted < original + 0.5 < 5.0  # far below a fresh model's ln(257) = 5.55
+    tuned = TrainConfig(
+        data=str(prepared),
+        out=str(tmp_path / "diff1"),
+        init_from=str(tmp_path / "diff0"),
+        seq_len=64,
+        batch_size=8,
+        max_steps=20,
+        eval_interval=20,
+        ckpt_interval=20,
+        eval_tokens=512,
+        threads=1,
+        lr=1e-3,
+    )
+    train(tuned, quiet=True)
+    after, _ = load_run(tmp_path / "diff1")
+    assert loss(after) < converted
