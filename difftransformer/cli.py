@@ -95,7 +95,7 @@ def _data_verify(args: argparse.Namespace) -> int:
 
 def _tokenizer_train(args: argparse.Namespace) -> int:
     from difftransformer import corpus
-    from difftransformer.data import check_new_dir
+    from difftransformer.fsutil import check_new_dir
     from difftransformer.tokenizer import train_bpe
 
     check_new_dir(Path(args.out), "tokenizer directory")
@@ -301,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError, FileExistsError) as err:
+    except (ValueError, OSError) as err:
         print(f"difftx {args.command}: error: {err}", file=sys.stderr)
         return 2
 

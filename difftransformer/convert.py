@@ -8,33 +8,15 @@ directions write into a temporary directory that is renamed when complete; an ex
 
 from __future__ import annotations
 
-import os
-import shutil
 from pathlib import Path
 
 from difftransformer.checkpoint import save_checkpoint
-from difftransformer.data import check_new_dir
+from difftransformer.fsutil import write_new_dir
 from difftransformer.hf import calibrate_subln, from_hf, llama_to_diff, to_hf
 from difftransformer.runs import MODEL_CONFIG, load_run
 from difftransformer.tokenizer import EOT, HF_FILE, HFTokenizer
 
 ARCHITECTURES = ("DiffLlamaForCausalLM", "LlamaForCausalLM")
-
-
-def _atomic_dir(out: Path, write) -> Path:
-    check_new_dir(out, "output directory")
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
-        write(tmp)
-        if out.exists():
-            out.rmdir()
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
 
 
 def run_to_hf(run_dir: str | Path, out_dir: str | Path) -> Path:
@@ -50,7 +32,7 @@ def run_to_hf(run_dir: str | Path, out_dir: str | Path) -> Path:
         hf_model.save_pretrained(tmp, safe_serialization=True)
         hf_tok.save_pretrained(tmp)
 
-    return _atomic_dir(Path(out_dir), write)
+    return write_new_dir(out_dir, "output directory", write)
 
 
 def _calibration_tokens(tokenizer, max_len: int, rows: int = 4, length: int = 256):
@@ -104,4 +86,4 @@ def hf_to_run(hf_dir: str | Path, out_dir: str | Path, attention: str | None = N
         meta = {"source": str(hf_dir), "model_config": model.config.to_dict()}
         save_checkpoint(tmp, 0, model.state_dict(), {"state": {}, "param_groups": []}, meta, keep_last=1)
 
-    return _atomic_dir(Path(out_dir), write)
+    return write_new_dir(out_dir, "output directory", write)

