@@ -53,3 +53,26 @@ def prepared(tmp_path, corpus_dir):
     out = tmp_path / "data"
     prepare(iter_documents(find_files([corpus_dir])), ByteTokenizer(), out, val_every=10)
     return out
+
+
+SMALL = {"d_model": 64, "n_layers": 2, "n_heads": 4}
+
+
+def small_config(prepared, out, **overrides):
+    """A TrainConfig for a 2-layer, 64-wide model on the prepared test corpus, one thread."""
+    from difftransformer.train import TrainConfig
+
+    base = dict(
+        data=str(prepared),
+        out=str(out),
+        model=dict(SMALL),
+        seq_len=32,
+        batch_size=4,
+        max_steps=12,
+        eval_interval=6,
+        log_interval=1,
+        ckpt_interval=4,
+        eval_tokens=256,
+        threads=1,
+    )
+    return TrainConfig(**{**base, **overrides})

@@ -3,26 +3,23 @@
 import pytest
 import torch
 import transformers
+from conftest import SMALL, small_config
 
 from difftransformer import generate, load_run
 from difftransformer.cli import main
-from difftransformer.train import TrainConfig, train
+from difftransformer.train import train
 
 
 def small_run(prepared, out, attention):
-    cfg = TrainConfig(
-        data=str(prepared),
-        out=str(out),
+    cfg = small_config(
+        prepared,
+        out,
         attention=attention,
-        seq_len=32,
-        batch_size=4,
         max_steps=3,
         eval_interval=3,
         ckpt_interval=3,
-        eval_tokens=128,
-        threads=1,
         lr=1e-2,
-        model={"d_model": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2},
+        model={**SMALL, "n_kv_heads": 2},
     )
     train(cfg, quiet=True)
     return out
@@ -105,9 +102,9 @@ def test_llama_converted_to_diff_starts_close_and_trains(prepared, tmp_path):
 
     from difftransformer.data import TokenData, eval_windows
 
-    cfg = TrainConfig(
-        data=str(prepared),
-        out=str(tmp_path / "std"),
+    cfg = small_config(
+        prepared,
+        tmp_path / "std",
         attention="standard",
         seq_len=64,
         batch_size=8,
@@ -115,9 +112,7 @@ def test_llama_converted_to_diff_starts_close_and_trains(prepared, tmp_path):
         eval_interval=60,
         ckpt_interval=60,
         eval_tokens=512,
-        threads=1,
         lr=3e-3,
-        model={"d_model": 64, "n_layers": 2, "n_heads": 4},
     )
     train(cfg, quiet=True)
     assert main(["convert", "--run", str(tmp_path / "std"), "--out", str(tmp_path / "llama")]) == 0
@@ -136,9 +131,9 @@ def test_llama_converted_to_diff_starts_close_and_trains(prepared, tmp_path):
 
     original, converted = loss(std), loss(diff)
     assert converted < original + 0.5 < 5.0  # far below a fresh model's ln(257) = 5.55
-    tuned = TrainConfig(
-        data=str(prepared),
-        out=str(tmp_path / "diff1"),
+    tuned = small_config(
+        prepared,
+        tmp_path / "diff1",
         init_from=str(tmp_path / "diff0"),
         seq_len=64,
         batch_size=8,
@@ -146,7 +141,6 @@ def test_llama_converted_to_diff_starts_close_and_trains(prepared, tmp_path):
         eval_interval=20,
         ckpt_interval=20,
         eval_tokens=512,
-        threads=1,
         lr=1e-3,
     )
     train(tuned, quiet=True)

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from conftest import SMALL, small_config
 
 from difftransformer import ModelConfig, TransformerLM
 from difftransformer.cache import KVCache
@@ -100,21 +101,10 @@ def test_prompt_longer_than_context():
 def test_load_run_and_generate_command(prepared, tmp_path, capsys):
     from difftransformer import load_run
     from difftransformer.cli import main
-    from difftransformer.train import TrainConfig, train
+    from difftransformer.train import train
 
-    small = {"d_model": 64, "n_layers": 2, "n_heads": 4, "tie_embeddings": True}
-    cfg = TrainConfig(
-        data=str(prepared),
-        out=str(tmp_path / "run"),
-        model=small,
-        seq_len=32,
-        batch_size=4,
-        max_steps=3,
-        eval_interval=3,
-        ckpt_interval=3,
-        eval_tokens=128,
-        threads=1,
-    )
+    small = {**SMALL, "tie_embeddings": True}
+    cfg = small_config(prepared, tmp_path / "run", model=small, max_steps=3, eval_interval=3, ckpt_interval=3)
     train(cfg, quiet=True)
     model, tok = load_run(tmp_path / "run")
     assert model.lm_head.weight is model.embed.weight and not model.training
@@ -143,22 +133,11 @@ def test_load_run_errors(prepared, tmp_path):
 
     from difftransformer import load_run
     from difftransformer.checkpoint import list_checkpoints
-    from difftransformer.train import TrainConfig, train
+    from difftransformer.train import train
 
     with pytest.raises(FileNotFoundError, match="does not exist"):
         load_run(tmp_path / "nope")
-    cfg = TrainConfig(
-        data=str(prepared),
-        out=str(tmp_path / "run"),
-        model={"d_model": 64, "n_layers": 2, "n_heads": 4},
-        seq_len=32,
-        batch_size=4,
-        max_steps=2,
-        eval_interval=2,
-        ckpt_interval=2,
-        eval_tokens=128,
-        threads=1,
-    )
+    cfg = small_config(prepared, tmp_path / "run", max_steps=2, eval_interval=2, ckpt_interval=2)
     train(cfg, quiet=True)
     run = tmp_path / "run"
     weights = list_checkpoints(run)[-1] / "model.safetensors"

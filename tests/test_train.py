@@ -11,29 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import SMALL, small_config
 
 from difftransformer import checkpoint
 from difftransformer.checkpoint import list_checkpoints, load_checkpoint
 from difftransformer.train import TrainConfig, Trainer, lr_at, resume_config, train
-
-SMALL = {"d_model": 64, "n_layers": 2, "n_heads": 4}
-
-
-def config(prepared, out, **kw):
-    base = dict(
-        data=str(prepared),
-        out=str(out),
-        model=dict(SMALL),
-        seq_len=32,
-        batch_size=4,
-        max_steps=12,
-        eval_interval=6,
-        log_interval=1,
-        ckpt_interval=4,
-        eval_tokens=256,
-        threads=1,
-    )
-    return TrainConfig(**{**base, **kw})
 
 
 def losses(run_dir):
@@ -63,7 +45,9 @@ def cli(*args, env_extra=None):
 
 def test_run_writes_metrics_lambda_checkpoints_and_learns(prepared, tmp_path):
     rows = train(
-        config(prepared, tmp_path / "run", max_steps=30, eval_interval=10, ckpt_interval=10, keep_last=2, lr=3e-3),
+        small_config(
+            prepared, tmp_path / "run", max_steps=30, eval_interval=10, ckpt_interval=10, keep_last=2, lr=3e-3
+        ),
         quiet=True,
     )
     run = tmp_path / "run"
@@ -90,8 +74,8 @@ def test_schedule_warmup_then_cosine():
 
 
 def test_resume_in_process_is_bitwise_identical(prepared, tmp_path):
-    train(config(prepared, tmp_path / "full"), quiet=True)
-    Trainer(config(prepared, tmp_path / "part"), quiet=True).fit(until=8)  # stops after the step-8 checkpoint
+    train(small_config(prepared, tmp_path / "full"), quiet=True)
+    Trainer(small_config(prepared, tmp_path / "part"), quiet=True).fit(until=8)  # stops after the step-8 checkpoint
     train(resume_config(tmp_path / "part"), resume=True, quiet=True)
     assert losses(tmp_path / "part") == losses(tmp_path / "full")
 
@@ -117,7 +101,7 @@ def test_resume_after_sigkill_is_bitwise_identical(prepared, tmp_path):
 
 
 def test_crash_while_writing_keeps_last_good_checkpoint(prepared, tmp_path, monkeypatch):
-    Trainer(config(prepared, tmp_path / "run"), quiet=True).fit(until=8)
+    Trainer(small_config(prepared, tmp_path / "run"), quiet=True).fit(until=8)
     good = list_checkpoints(tmp_path / "run")[-1]
     before = (good / "model.safetensors").read_bytes()
     real_save = checkpoint.save_file
@@ -138,29 +122,31 @@ def test_crash_while_writing_keeps_last_good_checkpoint(prepared, tmp_path, monk
 
 
 def test_gradient_accumulation_matches_one_big_batch(prepared, tmp_path):
-    a = train(config(prepared, tmp_path / "a", batch_size=4, grad_accum=1, max_steps=3), quiet=True)
-    b = train(config(prepared, tmp_path / "b", batch_size=4, grad_accum=2, max_steps=3), quiet=True)
+    a = train(small_config(prepared, tmp_path / "a", batch_size=4, grad_accum=1, max_steps=3), quiet=True)
+    b = train(small_config(prepared, tmp_path / "b", batch_size=4, grad_accum=2, max_steps=3), quiet=True)
     assert [r["step"] for r in a] == [r["step"] for r in b] == [1, 2, 3]
     for ra, rb in zip(a, b, strict=True):  # the same windows, split in two micro-steps
         assert ra["loss"] == pytest.approx(rb["loss"], abs=1e-5)
 
 
 def test_bad_inputs_are_refused_and_nothing_is_overwritten(prepared, tmp_path):
-    train(config(prepared, tmp_path / "run", max_steps=4), quiet=True)
+    train(small_config(prepared, tmp_path / "run", max_steps=4), quiet=True)
     before = (tmp_path / "run" / "metrics.jsonl").read_text()
     with pytest.raises(FileExistsError, match="run directory .* already exists"):
-        train(config(prepared, tmp_path / "run", max_steps=4), quiet=True)
+        train(small_config(prepared, tmp_path / "run", max_steps=4), quiet=True)
     assert (tmp_path / "run" / "metrics.jsonl").read_text() == before
     with pytest.raises(FileNotFoundError, match="does not exist; create it with 'difftx data prepare'"):
-        train(config(tmp_path / "missing", tmp_path / "r2"), quiet=True)
+        train(small_config(tmp_path / "missing", tmp_path / "r2"), quiet=True)
     with pytest.raises(ValueError, match="does not match the data's tokenizer"):
-        train(config(prepared, tmp_path / "r3", model={**SMALL, "vocab_size": 300}), quiet=True)
+        train(small_config(prepared, tmp_path / "r3", model={**SMALL, "vocab_size": 300}), quiet=True)
     with pytest.raises(ValueError, match="fewer than one window"):
-        train(config(prepared, tmp_path / "r4", seq_len=20000, model={**SMALL, "max_seq_len": 100000}), quiet=True)
+        train(
+            small_config(prepared, tmp_path / "r4", seq_len=20000, model={**SMALL, "max_seq_len": 100000}), quiet=True
+        )
     with pytest.raises(ValueError, match="not divisible by n_heads"):
-        train(config(prepared, tmp_path / "r5", model={**SMALL, "n_heads": 5}), quiet=True)
+        train(small_config(prepared, tmp_path / "r5", model={**SMALL, "n_heads": 5}), quiet=True)
     with pytest.raises(ValueError, match="not divisible by --grad-accum"):
-        config(prepared, tmp_path / "r6", batch_size=5, grad_accum=2)
+        small_config(prepared, tmp_path / "r6", batch_size=5, grad_accum=2)
     for name in ("r2", "r3", "r4", "r5"):
         assert not (tmp_path / name).exists()
 
@@ -170,7 +156,7 @@ def test_resume_refuses_other_data(prepared, tmp_path, corpus_dir):
     from difftransformer.data import prepare
     from difftransformer.tokenizer import train_bpe
 
-    train(config(prepared, tmp_path / "run", max_steps=4), quiet=True)
+    train(small_config(prepared, tmp_path / "run", max_steps=4), quiet=True)
     tok = train_bpe(iter_documents(find_files([corpus_dir])), 300, tmp_path / "tok")
     prepare(iter_documents(find_files([corpus_dir])), tok, tmp_path / "bpe")
     cfg = resume_config(tmp_path / "run", max_steps=8)
@@ -207,9 +193,10 @@ def test_two_processes_match_one(prepared, tmp_path, parallel):
 @pytest.mark.slow
 def test_compile_smoke(prepared, tmp_path):
     """--compile (torch.compile per block, CPU inductor) trains and gives the eager losses."""
-    eager = train(config(prepared, tmp_path / "eager", max_steps=2, model={**SMALL, "n_layers": 1}), quiet=True)
+    eager = train(small_config(prepared, tmp_path / "eager", max_steps=2, model={**SMALL, "n_layers": 1}), quiet=True)
     compiled = train(
-        config(prepared, tmp_path / "compiled", max_steps=2, model={**SMALL, "n_layers": 1}, compile=True), quiet=True
+        small_config(prepared, tmp_path / "compiled", max_steps=2, model={**SMALL, "n_layers": 1}, compile=True),
+        quiet=True,
     )
     for a, b in zip(eager, compiled, strict=True):
         assert a["loss"] == pytest.approx(b["loss"], abs=1e-4)
