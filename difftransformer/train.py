@@ -132,13 +132,10 @@ def layer_lambdas(model: torch.nn.Module) -> list[float] | None:
     if not hasattr(blocks[0].attn, "lambda_init"):
         return None
     values = []
-    for block in blocks:
-        attn = block.attn
-        vecs = [getattr(attn, n) for n in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")]
-        vecs = [v.full_tensor() if hasattr(v, "full_tensor") else v for v in vecs]
-        with torch.no_grad():
-            lam = torch.exp((vecs[0] * vecs[1]).sum()) - torch.exp((vecs[2] * vecs[3]).sum()) + attn.lambda_init
-        values.append(round(float(lam), 6))
+    with torch.no_grad():
+        for block in blocks:
+            lam = block.attn.lambda_full()  # a DTensor under FSDP2, whose operations have global meaning
+            values.append(round(float(lam.full_tensor() if hasattr(lam, "full_tensor") else lam), 6))
     return values
 
 

@@ -182,6 +182,11 @@ def test_two_processes_match_one(prepared, tmp_path, parallel):
     assert [s for s, _ in one] == [s for s, _ in two] == list(range(1, 7))
     for (_, a), (_, b) in zip(one, two, strict=True):
         assert abs(a - b) < 1e-5
+    lam_one, lam_two = (
+        json.loads(r.read_text().splitlines()[-1])["lambda"]
+        for r in (tmp_path / "one" / "metrics.jsonl", tmp_path / "two" / "metrics.jsonl")
+    )
+    assert len(lam_two) == 2 and max(abs(a - b) for a, b in zip(lam_one, lam_two, strict=True)) < 1e-5
     # the checkpoint written by the group resumes in a single process
     sd, _, meta = load_checkpoint(list_checkpoints(tmp_path / "two")[-1])
     sd_one, _, _ = load_checkpoint(list_checkpoints(tmp_path / "one")[-1])
