@@ -184,6 +184,24 @@ def _convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def _eval(args: argparse.Namespace) -> int:
+    from transformers import PreTrainedTokenizerFast
+
+    from difftransformer.evaluate import bits_per_byte, lm_eval_perplexity, read_texts
+    from difftransformer.hf import to_hf
+    from difftransformer.runs import load_run
+    from difftransformer.tokenizer import EOT
+
+    model, tokenizer = load_run(args.run)
+    hf_tok = PreTrainedTokenizerFast(tokenizer_object=tokenizer.to_hf(), eos_token=EOT)
+    result = {
+        "lm_eval": lm_eval_perplexity(to_hf(model), hf_tok, args.jsonl, args.text_field, model.config.max_seq_len),
+        "ours": {"bits_per_byte": bits_per_byte(model, tokenizer, read_texts(args.jsonl, args.text_field))},
+    }
+    print(json.dumps(result, indent=2))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="difftx", description="The Differential Transformer: tools.")
     parser.add_argument("--version", action="version", version=f"difftransformer {__version__}")
@@ -280,6 +298,12 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--attention", choices=["diff"], help="with --from-hf of a Llama: build a DIFF model from it")
     conv.add_argument("--out", required=True)
     conv.set_defaults(func=_convert)
+
+    ev = sub.add_parser("eval", help="perplexity with lm-eval (HFLM) on a local JSONL file, and our own bits per byte")
+    ev.add_argument("--run", required=True)
+    ev.add_argument("--jsonl", required=True)
+    ev.add_argument("--text-field", default="text")
+    ev.set_defaults(func=_eval)
 
     bench = sub.add_parser("bench", help="benchmarks: ratios measured side by side in one run")
     bench.add_argument("what", choices=["attention", "decode"])
