@@ -50,6 +50,29 @@ def median_times(fns: dict[str, Callable[[], None]], repeats: int, warmup: int =
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
+class _HFDiffLlamaAttention(torch.nn.Module):
+    """Hugging Face DiffLlama's attention layer with its rotary embedding, called like ours (causal, no mask)."""
+
+    def __init__(self, dim: int, heads: int, impl: str) -> None:
+        super().__init__()
+        from transformers import DiffLlamaConfig
+        from transformers.models.diffllama.modeling_diffllama import DiffLlamaAttention, DiffLlamaRotaryEmbedding
+
+        cfg = DiffLlamaConfig(
+            hidden_size=dim,
+            num_attention_heads=heads,
+            num_key_value_heads=heads,
+            intermediate_size=4 * dim,
+            num_hidden_layers=1,
+        )
+        cfg._attn_implementation = impl
+        self.attn, self.rotary = DiffLlamaAttention(cfg, layer_idx=0), DiffLlamaRotaryEmbedding(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(x.shape[1], device=x.device)[None]
+        return self.attn(x, position_embeddings=self.rotary(x, positions), attention_mask=None)[0]
+
+
 def bench_attention(
     seqs: list[int], dim: int = 512, heads: int = 8, batch: int = 1, repeats: int = 5, plain_max_seq: int = 4096
 ) -> dict:
@@ -57,11 +80,16 @@ def bench_attention(
     torch.manual_seed(0)
     layers = {impl: MultiheadDiffAttn(dim, heads // 2, 0, impl=impl) for impl in ("sdpa", "block", "plain")}
     layers["standard"] = MultiheadAttention(dim, heads, 0)
+    try:
+        for impl in ("sdpa", "eager"):
+            layers[f"hf-{impl}"] = _HFDiffLlamaAttention(dim, heads, impl)
+    except ImportError:  # transformers is optional: the comparison is skipped and the table says so
+        pass
     rows = []
     for t in seqs:
         x = torch.randn(batch, t, dim)
         xg = x.clone().requires_grad_()
-        names = [n for n in layers if n != "plain" or t <= plain_max_seq]
+        names = [n for n in layers if n not in ("plain", "hf-eager") or t <= plain_max_seq]
         with torch.no_grad():
             fwd = median_times({n: partial(layers[n], x) for n in names}, repeats)
         fb = median_times({n: partial(_forward_backward, layers[n], xg) for n in names}, repeats)
@@ -89,21 +117,125 @@ def _forward_backward(module: torch.nn.Module, x: torch.Tensor) -> None:
 
 def format_attention(result: dict) -> str:
     m, s = result["machine"], result["shapes"]
+    names = list(dict.fromkeys(n for row in result["rows"] for n in row["seconds"]))
+    others = [n for n in names if n != "standard"]
     lines = [
         f"attention layer benchmark: {m['cpu']}, torch {m['torch']}, {m['threads']} thread(s), {result['dtype']}",
         f"batch {s['batch']}, width {s['dim']}: DIFF {s['diff_heads']} heads vs standard {s['standard_heads']} heads "
-        f"of size {s['head_dim']}; medians of {result['repeats']} interleaved repeats after warm-up",
+        f"of size {s['head_dim']}; medians of {result['repeats']} interleaved repeats after warm-up. Columns: "
+        "standard = our baseline; sdpa, block, plain = our DIFF methods; hf-* = transformers DiffLlamaAttention",
         "",
-        "| T | direction | standard ms | DIFF sdpa ms | DIFF block ms | DIFF plain ms "
-        "| sdpa/std | block/std | plain/std |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| T | direction | "
+        + " | ".join(f"{n} ms" for n in names)
+        + " | "
+        + " | ".join(f"{n}/std" for n in others)
+        + " |",
+        "|---|---|" + "---|" * (len(names) + len(others)),
     ]
-    impls = ("standard", "sdpa", "block", "plain")
     for row in result["rows"]:
         sec = row["seconds"]
-        ms = [f"{sec[n] * 1e3:.1f}" if n in sec else "-" for n in impls]
-        ratios = [f"{sec[n] / sec['standard']:.2f}" if n in sec else "-" for n in impls[1:]]
+        ms = [f"{sec[n] * 1e3:.1f}" if n in sec else "-" for n in names]
+        ratios = [f"{sec[n] / sec['standard']:.2f}" if n in sec else "-" for n in others]
         lines.append(f"| {row['seq']} | {row['direction']} | " + " | ".join(ms + ratios) + " |")
+    return "\n".join(lines)
+
+
+def saved_activation_bytes(step: Callable[[], torch.Tensor]) -> int:
+    """Bytes of the distinct storages that autograd saves for backward while ``step()`` runs the forward pass:
+    the activation memory of training (parameters excluded: they are saved by reference, not copied)."""
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if not isinstance(t, torch.nn.Parameter):
+            storage = t.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = step()
+    loss.backward()
+    return sum(storages.values())
+
+
+def _lm_loss(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    out = model(x[:, :-1])
+    logits = out.logits if hasattr(out, "logits") else out  # a transformers model returns an output object
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten())
+
+
+def _train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor) -> None:
+    _lm_loss(model, x).backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def bench_train(preset: str = "small", seqs: list[int] | None = None, batch: int = 4, repeats: int = 3) -> dict:
+    """A training step (forward, backward, AdamW) and its activation memory: our DIFF, our standard, and Hugging Face
+    DiffLlama (its SDPA attention) built from our DIFF model's config and weights."""
+    seqs = seqs or [256, 1024, 2048]
+    rows = []
+    for t in seqs:
+        models: dict[str, torch.nn.Module] = {}
+        for attention in ("diff", "standard"):
+            torch.manual_seed(0)
+            models[attention] = TransformerLM(ModelConfig.preset(preset, attention=attention, max_seq_len=t))
+        try:
+            from difftransformer.hf import to_hf
+
+            hf = to_hf(models["diff"]).train()
+            hf.config._attn_implementation = "sdpa"
+            models["hf-diffllama"] = hf
+        except ImportError:
+            pass
+        x = torch.randint(0, models["diff"].config.vocab_size, (batch, t))
+        optimizers = {n: torch.optim.AdamW(m.parameters(), lr=1e-4, foreach=False) for n, m in models.items()}
+
+        seconds = median_times({n: partial(_train_step, m, optimizers[n], x) for n, m in models.items()}, repeats)
+        memory = {n: saved_activation_bytes(partial(_lm_loss, m, x)) for n, m in models.items()}
+        for m in models.values():
+            m.zero_grad(set_to_none=True)
+        rows.append({"seq": t, "seconds": seconds, "activation_bytes": memory})
+    cfg = ModelConfig.preset(preset)
+    return {
+        "benchmark": "train",
+        "machine": machine(),
+        "dtype": "float32",
+        "shapes": dict(
+            preset=preset,
+            batch=batch,
+            d_model=cfg.d_model,
+            n_layers=cfg.n_layers,
+            standard_heads=cfg.n_heads,
+            head_dim=cfg.head_dim,
+        ),
+        "repeats": repeats,
+        "rows": rows,
+    }
+
+
+def format_train(result: dict) -> str:
+    m, s = result["machine"], result["shapes"]
+    lines = [
+        f"training step benchmark: {m['cpu']}, torch {m['torch']}, {m['threads']} thread(s), {result['dtype']}",
+        f"preset {s['preset']} (d_model {s['d_model']}, {s['n_layers']} layers, head size {s['head_dim']}), batch "
+        f"{s['batch']}; step = forward + backward + AdamW, median of {result['repeats']} interleaved repeats; "
+        "activations = bytes autograd saves for backward",
+        "",
+        "| T | standard ms | DIFF ms | HF DiffLlama ms | DIFF/standard | DIFF/HF | activations std MiB | DIFF MiB | "
+        "HF MiB | DIFF/HF memory | DIFF/std memory |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in result["rows"]:
+        sec, mem = row["seconds"], row["activation_bytes"]
+        hf_ms = f"{sec['hf-diffllama'] * 1e3:.0f}" if "hf-diffllama" in sec else "-"
+        hf_ratio = f"{sec['diff'] / sec['hf-diffllama']:.2f}" if "hf-diffllama" in sec else "-"
+        hf_mib = f"{mem['hf-diffllama'] / 2**20:.1f}" if "hf-diffllama" in mem else "-"
+        hf_mem = f"{mem['diff'] / mem['hf-diffllama']:.2f}" if "hf-diffllama" in mem else "-"
+        lines.append(
+            f"| {row['seq']} | {sec['standard'] * 1e3:.0f} | {sec['diff'] * 1e3:.0f} | {hf_ms} | "
+            f"{sec['diff'] / sec['standard']:.2f} | {hf_ratio} | {mem['standard'] / 2**20:.1f} | "
+            f"{mem['diff'] / 2**20:.1f} | {hf_mib} | {hf_mem} | {mem['diff'] / mem['standard']:.2f} |"
+        )
     return "\n".join(lines)
 
 

@@ -45,8 +45,13 @@ def _bench(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     try:
         if args.what == "attention":
-            result = bench.bench_attention(args.seq, args.dim, args.heads, args.batch, args.repeats)
+            result = bench.bench_attention(
+                args.seq or [1024, 4096], args.dim, args.heads, args.batch or 1, args.repeats
+            )
             print(bench.format_attention(result))
+        elif args.what == "train":
+            result = bench.bench_train(args.preset, args.seq, args.batch or 4, args.repeats)
+            print(bench.format_train(result))
         else:
             result = bench.bench_decode(args.context, args.preset, args.tokens, args.repeats)
             print(bench.format_decode(result))
@@ -126,7 +131,8 @@ def _train(args: argparse.Namespace) -> int:
 
 TRAIN_FIELDS = (
     "data init_from preset attention seq_len batch_size grad_accum max_steps lr warmup_steps weight_decay grad_clip "
-    "eval_interval eval_tokens log_interval ckpt_interval keep_last seed device dtype compile parallel threads"
+    "eval_interval eval_tokens log_interval ckpt_interval keep_last seed device dtype compile checkpoint_activations "
+    "parallel threads"
 ).split()
 
 
@@ -275,6 +281,12 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--dtype", choices=["auto", "float32", "bfloat16"])
     tr.add_argument("--parallel", choices=["none", "ddp", "fsdp"])
     tr.add_argument("--compile", action="store_true", default=None, help="torch.compile each block")
+    tr.add_argument(
+        "--checkpoint-activations",
+        action="store_true",
+        default=None,
+        help="recompute each block in backward instead of keeping its activations",
+    )
     tr.add_argument("--quiet", action="store_true")
     tr.set_defaults(func=_train)
 
@@ -306,14 +318,14 @@ def build_parser() -> argparse.ArgumentParser:
     ev.set_defaults(func=_eval)
 
     bench = sub.add_parser("bench", help="benchmarks: ratios measured side by side in one run")
-    bench.add_argument("what", choices=["attention", "decode"])
+    bench.add_argument("what", choices=["attention", "train", "decode"])
     bench.add_argument("--context", type=int, nargs="+", default=[512, 2048], help="decode: prompt lengths")
-    bench.add_argument("--preset", default="small", help="decode: the model preset")
+    bench.add_argument("--preset", default="small", help="train, decode: the model preset")
     bench.add_argument("--tokens", type=int, default=32, help="decode: timed steps per repeat")
-    bench.add_argument("--seq", type=int, nargs="+", default=[1024, 4096])
+    bench.add_argument("--seq", type=int, nargs="+", help="attention: 1024 4096 by default; train: 256 1024 2048")
     bench.add_argument("--dim", type=int, default=512)
     bench.add_argument("--heads", type=int, default=8, help="standard heads (DIFF uses half)")
-    bench.add_argument("--batch", type=int, default=1)
+    bench.add_argument("--batch", type=int, help="attention: 1, train: 4")
     bench.add_argument("--repeats", type=int, default=3)
     bench.add_argument("--threads", type=int, default=1)
     bench.add_argument("--json", help="also write the results to this JSON file")

@@ -1,9 +1,9 @@
 """Parallelism applied from outside the model, in one place (torchtitan's ``parallelize``).
 
-Order: ``torch.compile`` per block, then data parallelism (DDP, or FSDP2's ``fully_shard`` per block and at
-the root). Under ``torchrun`` the process group is set up from the environment: NCCL on CUDA, gloo on CPU.
-State dicts go through ``torch.distributed.checkpoint.state_dict`` so that one checkpoint format (full,
-name-keyed tensors) serves a single process, DDP and FSDP alike.
+Order: activation checkpointing per block, ``torch.compile`` per block, then data parallelism (DDP, or
+FSDP2's ``fully_shard`` per block and at the root). Under ``torchrun`` the process group is set up from the
+environment: NCCL on CUDA, gloo on CPU. State dicts go through ``torch.distributed.checkpoint.state_dict`` so
+that one checkpoint format (full, name-keyed tensors) serves a single process, DDP and FSDP alike.
 """
 
 from __future__ import annotations
@@ -51,12 +51,22 @@ def init_world(device: str = "auto") -> World:
     return World(rank, size, torch.device(device))
 
 
-def parallelize(model: nn.Module, mode: str, world: World, compile: bool = False) -> nn.Module:
-    """Wrap ``model`` for training: compile its blocks, then DDP or FSDP2. Returns the module to call."""
+def parallelize(
+    model: nn.Module, mode: str, world: World, compile: bool = False, checkpoint_activations: bool = False
+) -> nn.Module:
+    """Wrap ``model`` for training: checkpoint and compile its blocks, then DDP or FSDP2. Returns the module to call.
+
+    Activation checkpointing keeps only each block's input for backward and recomputes the block; the wrapper
+    leaves parameter names (and so checkpoints) unchanged."""
     if mode not in PARALLEL_MODES:
         raise ValueError(f"--parallel must be one of {PARALLEL_MODES}, got {mode!r}")
     if mode != "none" and not dist.is_initialized():
         raise ValueError(f"--parallel {mode} needs a process group: launch with torchrun --nproc-per-node N")
+    if checkpoint_activations:
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+        for i, block in enumerate(model.layers):
+            model.layers[i] = checkpoint_wrapper(block)
     if compile:
         for block in model.layers:
             block.compile()

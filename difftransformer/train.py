@@ -69,6 +69,7 @@ class TrainConfig:
     device: str = "auto"
     dtype: str = "auto"  # auto: bfloat16 autocast on GPUs that support it, else float32
     compile: bool = False
+    checkpoint_activations: bool = False
     parallel: str = "none"
     threads: int | None = None
 
@@ -232,7 +233,7 @@ class Trainer:
             model = TransformerLM(self.model_config)
         if cfg.init_from and not resume:
             model.load_state_dict(load_model_tensors(list_checkpoints(cfg.init_from)[-1]), strict=True)
-        self.model = parallelize(model, cfg.parallel, self.world, compile=cfg.compile)
+        self.model = parallelize(model, cfg.parallel, self.world, cfg.compile, cfg.checkpoint_activations)
         self.optimizer = make_optimizer(self.model, cfg)
         self.amp = autocast_dtype(cfg, self.world.device)
         self.step_idx = 0

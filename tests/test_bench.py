@@ -37,7 +37,7 @@ def test_bench_attention_smoke(tmp_path, capsys):
         (64, "forward+backward"),
     ]
     for row in result["rows"]:
-        assert set(row["seconds"]) == {"standard", "sdpa", "block", "plain"}
+        assert set(row["seconds"]) == {"standard", "sdpa", "block", "plain", "hf-sdpa", "hf-eager"}
         assert all(v > 0 for v in row["seconds"].values())
 
 
@@ -66,3 +66,28 @@ def test_bench_decode_smoke(tmp_path, capsys):
     assert "| 16 |" in capsys.readouterr().out
     rows = json.loads(out.read_text())["rows"]
     assert [r["context"] for r in rows] == [16, 32] and all(r["tokens_per_s"]["diff"] > 0 for r in rows)
+
+
+def test_saved_activation_bytes_counts_what_backward_keeps():
+    import torch
+
+    from difftransformer.bench import saved_activation_bytes
+
+    w = torch.nn.Parameter(torch.randn(8, 8))
+    x = torch.randn(4, 8)
+    # x @ w saves x (4 x 8 float32 = 128 bytes) and w (a parameter: not counted); relu saves its output (another 128)
+    assert saved_activation_bytes(lambda: torch.relu(x @ w).sum()) == 2 * 4 * 8 * 4
+
+
+def test_bench_train_smoke(tmp_path, capsys):
+    out = tmp_path / "train.json"
+    assert (
+        main(
+            ["bench", "train", "--preset", "tiny", "--seq", "32", "--batch", "2", "--repeats", "1", "--json", str(out)]
+        )
+        == 0
+    )
+    assert "HF DiffLlama ms" in capsys.readouterr().out
+    row = json.loads(out.read_text())["rows"][0]
+    assert set(row["seconds"]) == {"diff", "standard", "hf-diffllama"}
+    assert all(v > 0 for v in row["activation_bytes"].values())

@@ -205,3 +205,22 @@ def test_compile_smoke(prepared, tmp_path):
     )
     for a, b in zip(eager, compiled, strict=True):
         assert a["loss"] == pytest.approx(b["loss"], abs=1e-4)
+
+
+def test_activation_checkpointing_same_losses_less_memory(prepared, tmp_path):
+    from difftransformer.bench import _lm_loss, saved_activation_bytes
+    from difftransformer.config import ModelConfig
+    from difftransformer.distributed import World, parallelize
+    from difftransformer.model import TransformerLM
+
+    plain = train(small_config(prepared, tmp_path / "plain", max_steps=3), quiet=True)
+    ac = train(small_config(prepared, tmp_path / "ac", max_steps=3, checkpoint_activations=True), quiet=True)
+    for a, b in zip(plain, ac, strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-5)
+    x = torch.randint(0, 256, (2, 65))
+    torch.manual_seed(0)
+    model = TransformerLM(ModelConfig.preset("tiny", n_layers=4))
+    full = saved_activation_bytes(lambda: _lm_loss(model, x))
+    wrapped = parallelize(model, "none", World(), checkpoint_activations=True)
+    assert "layers.0.attn.q_proj.weight" in wrapped.state_dict()  # names unchanged
+    assert saved_activation_bytes(lambda: _lm_loss(wrapped, x)) < full / 2
