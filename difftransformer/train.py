@@ -96,12 +96,14 @@ class TrainConfig:
                 f"the model's vocab_size {overrides['vocab_size']} does not match the data's tokenizer "
                 f"({vocab_size} tokens); drop the vocab_size override or prepare the data with the matching tokenizer"
             )
-        cfg = ModelConfig.preset(self.preset, attention=self.attention, **{**overrides, "vocab_size": vocab_size})
+        return ModelConfig.preset(self.preset, attention=self.attention, **{**overrides, "vocab_size": vocab_size})
+
+    def resolve_seq_len(self, model_config: ModelConfig) -> None:
+        """Default the window length to min(max_seq_len, 256); refuse one longer than the model's context."""
         if self.seq_len is None:
-            self.seq_len = min(cfg.max_seq_len, 256)
-        if self.seq_len > cfg.max_seq_len:
-            raise ValueError(f"--seq-len {self.seq_len} exceeds the model's max_seq_len {cfg.max_seq_len}")
-        return cfg
+            self.seq_len = min(model_config.max_seq_len, 256)
+        if self.seq_len > model_config.max_seq_len:
+            raise ValueError(f"--seq-len {self.seq_len} exceeds the model's max_seq_len {model_config.max_seq_len}")
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2) + "\n"
@@ -190,7 +192,8 @@ class Progress:
 
 
 class Trainer:
-    """Holds one run: model, optimizer, data, and the run directory. ``step()`` trains one optimizer step."""
+    """Holds one run: model, optimizer, data, and the run directory. ``train_step()`` trains one optimizer step,
+    ``fit()`` trains with logging, validation and checkpoints."""
 
     def __init__(self, cfg: TrainConfig, resume: bool = False, world: World | None = None, quiet: bool = False):
         self.cfg, self.world = cfg, world or init_world(cfg.device)
@@ -218,8 +221,7 @@ class Trainer:
                 )
         else:
             self.model_config = cfg.model_config(data_tok["vocab_size"])
-        if cfg.seq_len is None:
-            cfg.seq_len = min(self.model_config.max_seq_len, 256)
+        cfg.resolve_seq_len(self.model_config)
         if cfg.batch_size % (cfg.grad_accum * self.world.size):
             raise ValueError(
                 f"--batch-size {cfg.batch_size} does not split into --grad-accum {cfg.grad_accum} x "
@@ -232,7 +234,10 @@ class Trainer:
         with torch.device(self.world.device):
             model = TransformerLM(self.model_config)
         if cfg.init_from and not resume:
-            model.load_state_dict(load_model_tensors(list_checkpoints(cfg.init_from)[-1]), strict=True)
+            start = list_checkpoints(cfg.init_from)
+            if not start:
+                raise FileNotFoundError(f"--init-from {cfg.init_from} has no checkpoint to start from")
+            model.load_state_dict(load_model_tensors(start[-1]), strict=True)
         self.model = parallelize(model, cfg.parallel, self.world, cfg.compile, cfg.checkpoint_activations)
         self.optimizer = make_optimizer(self.model, cfg)
         self.amp = autocast_dtype(cfg, self.world.device)

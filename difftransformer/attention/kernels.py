@@ -15,7 +15,7 @@ Scores and softmax are computed in float32 (float64 for float64 inputs).
 
 Three exact methods for differential attention, chosen by ``impl``:
 
-- ``sdpa`` (``auto`` on GPUs, and on CPU for half-heads under 64): one fused
+- ``sdpa`` (``auto`` on GPUs, and on CPU for half-heads under 64 and fewer than 512 queries): one fused
   ``scaled_dot_product_attention`` call over the 2H half-heads.
   Fused kernels need equal query and value widths, so q and k are zero-padded from d to 2d (scores
   unchanged, scale passed explicitly) and each group's 2d-wide V serves both maps: twice the baseline's
@@ -23,7 +23,7 @@ Three exact methods for differential attention, chosen by ``impl``:
 
 - ``plain``: materialises both (Tq, Tk) softmax maps of every head in float32; used for analysis
   (``need_weights``) and as the readable reference.
-- ``block`` (``auto`` on CPU for half-heads of 64 or more, where it measured fastest): processes blocks of
+- ``block`` (``auto`` on CPU for half-heads of 64 or more, or 512 queries or more): processes blocks of
   64 query rows with full key rows, so both softmax normalisers are known before touching V and
   ``(P1 - lambda P2) @ V`` is applied once (PAPER.md section 4: the attention core does the baseline's
   arithmetic, with no 1.5x penalty of two online-softmax passes). Keys and values are read once per
@@ -40,9 +40,12 @@ MASK_VALUE = torch.finfo(torch.float32).min
 # Query rows per block of the block method (64 measured fastest on a 2-core CPU, forward and backward),
 # fewer when one block's score tensor (B * 2H * rows * Tk float32 values) would exceed 8M values = 32 MiB.
 BLOCK_ROWS = 64
-# On CPU the block method beats the fused sdpa path (which does 2x the arithmetic) from half-head size 64 up;
-# below that its elementwise passes dominate and sdpa is faster (training steps measured at d = 16, 32, 64).
+# On CPU the block method beats the fused sdpa path (which does 2x the arithmetic) from half-head size 64 up,
+# and for smaller heads from 512 query rows; below both, its elementwise passes dominate and sdpa is faster
+# (training steps measured at d = 16, 32, 64 and T = 256 to 2048). It also saves less for backward: about 1.09x
+# the standard model's activations against 1.3x for the sdpa path (small preset, T = 256 to 2048).
 BLOCK_MIN_HEAD_DIM = 64
+BLOCK_MIN_ROWS = 512
 # Without gradients and with at most this many query rows (decoding from a KV cache), ``auto`` computes full
 # rows directly: each group's keys and its 2d-wide values are read once per token for both maps.
 DECODE_ROWS = 16
@@ -108,7 +111,7 @@ class _BlockDiffAttention(torch.autograd.Function):
         b, h, _, tq, d = q.shape
         hkv, tk = k.shape[1], k.shape[3]
         rep = h // hkv
-        qg = (q * scale).view(b, hkv, rep, 2, tq, d).transpose(2, 3)  # (B, Hkv, 2, rep, Tq, d), scaled
+        qg = (q * scale).view(b, hkv, rep, 2, tq, d).transpose(2, 3).contiguous()  # (B, Hkv, 2, rep, Tq, d), scaled
         lam = lambda_full.to(softmax_dtype(q))
         out = v.new_empty(b, hkv, rep, tq, v.shape[-1])
         lse = q.new_empty(b, hkv, 2, rep, tq, dtype=lam.dtype)
@@ -215,7 +218,8 @@ def diff_attention(
     if impl == "auto" and q.shape[3] <= DECODE_ROWS and not torch.is_grad_enabled():
         return _diff_decode(q, k, v, lambda_full, scale, causal, mask)
     if impl == "auto":
-        impl = "block" if q.device.type == "cpu" and q.shape[-1] >= BLOCK_MIN_HEAD_DIM else "sdpa"
+        long_or_wide = q.shape[-1] >= BLOCK_MIN_HEAD_DIM or q.shape[3] >= BLOCK_MIN_ROWS
+        impl = "block" if q.device.type == "cpu" and long_or_wide else "sdpa"
     if impl == "plain":
         return diff_attention_plain(q, k, v, lambda_full, scale=scale, causal=causal, mask=mask)[0]
     if impl == "block":
