@@ -119,8 +119,9 @@ class TransformerLM(nn.Module):
                 f"sequence of {t} tokens is longer than the model's context max_seq_len={self.config.max_seq_len}; "
                 "shorten the input or build the model with a larger max_seq_len"
             )
-        if (
-            tokens.device.type != "meta"
+        if (  # a data-dependent check: skipped while torch.compile traces, so the forward has no graph break
+            not torch.compiler.is_compiling()
+            and tokens.device.type != "meta"
             and tokens.numel()
             and (tokens.min() < 0 or tokens.max() >= self.config.vocab_size)
         ):

@@ -98,3 +98,14 @@ def test_training_step_reduces_loss():
         losses.append(loss.item())
     assert losses[-1] < losses[0] - 0.1
     assert losses[0] == pytest.approx(math.log(256), abs=0.1)
+
+
+@pytest.mark.parametrize(
+    "attention, impl", [("diff", "sdpa"), ("diff", "block"), ("diff_v2", "auto"), ("standard", "auto")]
+)
+def test_forward_traces_without_graph_breaks(attention, impl):
+    """torch.compile friendliness: dynamo captures the whole forward in one graph."""
+    model = TransformerLM(ModelConfig.preset("tiny", attention=attention, attn_impl=impl, n_layers=2))
+    explanation = torch._dynamo.explain(model)(torch.randint(0, 256, (2, 32)))
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    assert explanation.graph_count == 1
