@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from difftransformer.attention import ATTENTION, MultiheadDiffAttn
+from difftransformer.attention.common import rotary_of
 from difftransformer.cache import KVCache
 from difftransformer.config import ModelConfig
 from difftransformer.layers import RMSNorm, SwiGLU
@@ -41,8 +42,10 @@ class Block(nn.Module):
         mask: torch.Tensor | None = None,
         positions: torch.Tensor | None = None,
         cache: KVCache | None = None,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        x = x + self.dropout(self.attn(self.attn_norm(x), mask=mask, positions=positions, cache=cache))
+        h = self.attn_norm(x)
+        x = x + self.dropout(self.attn(h, mask=mask, positions=positions, cache=cache, rotary=rotary))
         return x + self.dropout(self.ffn(self.ffn_norm(x)))
 
 
@@ -104,8 +107,9 @@ class TransformerLM(nn.Module):
         """
         self._check_tokens(tokens, 0 if cache is None else cache.length)
         x = self.embed(tokens)
+        rotary = rotary_of(self.layers[0].attn, x, positions, cache, None)  # the same angles for every layer
         for block in self.layers:
-            x = block(x, mask=mask, positions=positions, cache=cache)
+            x = block(x, mask=mask, positions=positions, cache=cache, rotary=rotary)
         if cache is not None:
             cache.advance(tokens.shape[1])
         return self.lm_head(self.norm(x))

@@ -95,26 +95,37 @@ def expand_mask(mask: torch.Tensor | None, batch: int, tq: int, tk: int) -> torc
     return mask.expand(mask.shape[0], 1, tq, tk)
 
 
-def cache_positions(positions: torch.Tensor | None, cache, t: int, device: torch.device) -> torch.Tensor | None:
-    """Rotary positions of T new tokens: the given ones, else those after the cache's filled length."""
+def rotary_of(
+    attn: torch.nn.Module,
+    x: torch.Tensor,
+    positions: torch.Tensor | None,
+    cache,
+    rotary: tuple[torch.Tensor, torch.Tensor] | None,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """cos/sin of the T new tokens of ``x`` for ``attn``: ``rotary`` when the caller computed it once for all
+    layers, else from ``positions`` (default: 0..T-1, or the positions after the cache); None without RoPE."""
+    if attn.rope_theta is None:
+        return None
+    if rotary is not None:
+        return rotary
+    t = x.shape[1]
     if positions is None and cache is not None:
-        return torch.arange(cache.length, cache.length + t, device=device)
-    return positions
+        positions = torch.arange(cache.length, cache.length + t, device=x.device)
+    return rotary_for(positions, t, attn.head_dim, attn.rope_theta, x)
 
 
 def project_heads(
-    attn: torch.nn.Module, x: torch.Tensor, positions: torch.Tensor | None, num_q_heads: int
+    attn: torch.nn.Module, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None, num_q_heads: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q (B, num_q_heads, T, d), k and v (B, Hkv, T, d) with rotary applied, for the softmax-attention modules.
 
-    ``attn`` provides q_proj, k_proj, v_proj, head_dim, num_kv_heads and rope_theta.
+    ``attn`` provides q_proj, k_proj, v_proj, head_dim and num_kv_heads; ``rotary`` is (cos, sin) or None.
     """
     b, t, _ = x.shape
     d = attn.head_dim
     q = attn.q_proj(x).view(b, t, num_q_heads, d)
     k = attn.k_proj(x).view(b, t, attn.num_kv_heads, d)
     v = attn.v_proj(x).view(b, t, attn.num_kv_heads, d)
-    if attn.rope_theta is not None:
-        cos, sin = rotary_for(positions, t, d, attn.rope_theta, x)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    if rotary is not None:
+        q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
     return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)

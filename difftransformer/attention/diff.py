@@ -20,7 +20,7 @@ import math
 import torch
 from torch import nn
 
-from difftransformer.attention.common import AttentionBase, cache_positions, expand_mask, rotary_for
+from difftransformer.attention.common import AttentionBase, expand_mask, rotary_of
 from difftransformer.attention.kernels import DIFF_IMPLS, diff_attention, diff_attention_plain, softmax_dtype
 from difftransformer.cache import KVCache
 from difftransformer.layers import RMSNorm
@@ -101,22 +101,23 @@ class MultiheadDiffAttn(AttentionBase):
         positions: torch.Tensor | None = None,
         need_weights: bool = False,
         cache: KVCache | None = None,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """x: (B, T, D) -> (B, T, D); with need_weights also the differential map (B, H, T, Tk).
 
         mask: boolean, (B, Tk) key padding or (B, T, Tk) / (B, 1, T, Tk), True where attention is allowed.
         positions: (T,) or (B, T) integer positions for the rotary embedding (default 0..T-1, or after the cache).
         cache: a KVCache; the new keys and values are stored and all cached ones attended (Tk = cached + T).
+        rotary: (cos, sin) of the new tokens' positions, when the caller computes them once for all layers.
         """
         b, t, _ = x.shape
-        positions = cache_positions(positions, cache, t, x.device)
         d = self.head_dim
         q = self.q_proj(x).view(b, t, self.num_heads, 2, d)
         k = self.k_proj(x).view(b, t, self.num_kv_heads, 2, d)
         v = self.v_proj(x).view(b, t, self.num_kv_heads, 2 * d)
-        if self.rope_theta is not None:
-            cos, sin = rotary_for(positions, t, d, self.rope_theta, x)
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        rotary = rotary_of(self, x, positions, cache, rotary)
+        if rotary is not None:
+            q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
         q = q.permute(0, 2, 3, 1, 4)  # (B, H, 2, T, d)
         k = k.permute(0, 2, 3, 1, 4)  # (B, Hkv, 2, T, d)
         v = v.transpose(1, 2)  # (B, Hkv, T, 2d)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from difftransformer.attention.common import AttentionBase, cache_positions, expand_mask, project_heads
+from difftransformer.attention.common import AttentionBase, expand_mask, project_heads, rotary_of
 from difftransformer.attention.kernels import standard_attention
 from difftransformer.cache import KVCache
 
@@ -45,15 +45,17 @@ class MultiheadAttention(AttentionBase):
         positions: torch.Tensor | None = None,
         need_weights: bool = False,
         cache: KVCache | None = None,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """x: (B, T, D) -> (B, T, D); with need_weights also the softmax map (B, num_heads, T, Tk).
 
-        mask, positions and cache as in MultiheadDiffAttn.forward.
+        mask, positions, cache and rotary as in MultiheadDiffAttn.forward.
         """
         b, t, _ = x.shape
-        positions = cache_positions(positions, cache, t, x.device)
         d = self.head_dim
-        q, k, v = project_heads(self, x, positions, self.num_heads)  # (B, heads, T, d)
+        q, k, v = project_heads(
+            self, x, rotary_of(self, x, positions, cache, rotary), self.num_heads
+        )  # (B, heads, T, d)
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v)  # (B, Hkv, Tk, d)
         mask = expand_mask(mask, b, t, v.shape[-2])
