@@ -36,6 +36,25 @@ def machine() -> dict:
     }
 
 
+def _result(benchmark: str, shapes: dict, repeats: int, rows: list[dict]) -> dict:
+    """The record every benchmark returns (and --json writes): what ran, where, on which shapes."""
+    return {
+        "benchmark": benchmark,
+        "machine": machine(),
+        "dtype": "float32",
+        "shapes": shapes,
+        "repeats": repeats,
+        "rows": rows,
+    }
+
+
+def _title(result: dict) -> str:
+    m = result["machine"]
+    return (
+        f"{result['benchmark']} benchmark: {m['cpu']}, torch {m['torch']}, {m['threads']} thread(s), {result['dtype']}"
+    )
+
+
 def median_times(fns: dict[str, Callable[[], None]], repeats: int, warmup: int = 1) -> dict[str, float]:
     """Median seconds of each function; repeats are interleaved so drifting machine load hits all alike."""
     for fn in fns.values():
@@ -95,20 +114,18 @@ def bench_attention(
         fb = median_times({n: partial(_forward_backward, layers[n], xg) for n in names}, repeats)
         for direction, res in (("forward", fwd), ("forward+backward", fb)):
             rows.append({"seq": t, "direction": direction, "seconds": res})
-    return {
-        "benchmark": "attention",
-        "machine": machine(),
-        "dtype": "float32",
-        "shapes": {
+    return _result(
+        "attention",
+        {
             "batch": batch,
             "dim": dim,
             "standard_heads": heads,
             "diff_heads": heads // 2,
             "head_dim": dim // heads,
         },
-        "repeats": repeats,
-        "rows": rows,
-    }
+        repeats,
+        rows,
+    )
 
 
 def _forward_backward(module: torch.nn.Module, x: torch.Tensor) -> None:
@@ -116,11 +133,11 @@ def _forward_backward(module: torch.nn.Module, x: torch.Tensor) -> None:
 
 
 def format_attention(result: dict) -> str:
-    m, s = result["machine"], result["shapes"]
+    s = result["shapes"]
     names = list(dict.fromkeys(n for row in result["rows"] for n in row["seconds"]))
     others = [n for n in names if n != "standard"]
     lines = [
-        f"attention layer benchmark: {m['cpu']}, torch {m['torch']}, {m['threads']} thread(s), {result['dtype']}",
+        _title(result),
         f"batch {s['batch']}, width {s['dim']}: DIFF {s['diff_heads']} heads vs standard {s['standard_heads']} heads "
         f"of size {s['head_dim']}; medians of {result['repeats']} interleaved repeats after warm-up. Columns: "
         "standard = our baseline; sdpa, block, plain = our DIFF methods; hf-* = transformers DiffLlamaAttention",
@@ -196,11 +213,9 @@ def bench_train(preset: str = "small", seqs: list[int] | None = None, batch: int
             m.zero_grad(set_to_none=True)
         rows.append({"seq": t, "seconds": seconds, "activation_bytes": memory})
     cfg = ModelConfig.preset(preset)
-    return {
-        "benchmark": "train",
-        "machine": machine(),
-        "dtype": "float32",
-        "shapes": dict(
+    return _result(
+        "train",
+        dict(
             preset=preset,
             batch=batch,
             d_model=cfg.d_model,
@@ -208,15 +223,15 @@ def bench_train(preset: str = "small", seqs: list[int] | None = None, batch: int
             standard_heads=cfg.n_heads,
             head_dim=cfg.head_dim,
         ),
-        "repeats": repeats,
-        "rows": rows,
-    }
+        repeats,
+        rows,
+    )
 
 
 def format_train(result: dict) -> str:
-    m, s = result["machine"], result["shapes"]
+    s = result["shapes"]
     lines = [
-        f"training step benchmark: {m['cpu']}, torch {m['torch']}, {m['threads']} thread(s), {result['dtype']}",
+        _title(result),
         f"preset {s['preset']} (d_model {s['d_model']}, {s['n_layers']} layers, head size {s['head_dim']}), batch "
         f"{s['batch']}; step = forward + backward + AdamW, median of {result['repeats']} interleaved repeats; "
         "activations = bytes autograd saves for backward",
@@ -269,11 +284,9 @@ def bench_decode(contexts: list[int], preset: str = "small", tokens: int = 32, r
                 samples[name] += _decode_seconds(model, context, tokens)
         rows.append({"context": context, "tokens_per_s": {n: 1 / statistics.median(t) for n, t in samples.items()}})
     cfg = models["diff"].config
-    return {
-        "benchmark": "decode",
-        "machine": machine(),
-        "dtype": "float32",
-        "shapes": dict(
+    return _result(
+        "decode",
+        dict(
             preset=preset,
             batch=1,
             d_model=cfg.d_model,
@@ -283,15 +296,15 @@ def bench_decode(contexts: list[int], preset: str = "small", tokens: int = 32, r
             head_dim=cfg.head_dim,
             new_tokens=tokens,
         ),
-        "repeats": repeats,
-        "rows": rows,
-    }
+        repeats,
+        rows,
+    )
 
 
 def format_decode(result: dict) -> str:
-    m, s = result["machine"], result["shapes"]
+    s = result["shapes"]
     lines = [
-        f"decode benchmark: {m['cpu']}, torch {m['torch']}, {m['threads']} thread(s), {result['dtype']}",
+        _title(result),
         f"preset {s['preset']} (d_model {s['d_model']}, {s['n_layers']} layers, DIFF {s['diff_heads']} heads vs "
         f"standard {s['standard_heads']} of size {s['head_dim']}), batch 1, median over "
         f"{result['repeats']} x {s['new_tokens']} one-token steps after a prefill",
