@@ -9,8 +9,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from difftransformer.attention.kernels import DIFF_IMPLS
+
 ATTENTION_KINDS = ("diff", "diff_v2", "standard")
-ATTN_IMPLS = ("auto", "sdpa", "block", "plain")
 FFN_MULTIPLE = 64
 
 
@@ -58,8 +59,8 @@ class ModelConfig:
                 raise ValueError(f"ModelConfig.{name} must be a positive integer, got {value!r}")
         if self.attention not in ATTENTION_KINDS:
             raise ValueError(f"ModelConfig.attention must be one of {ATTENTION_KINDS}, got {self.attention!r}")
-        if self.attn_impl not in ATTN_IMPLS:
-            raise ValueError(f"ModelConfig.attn_impl must be one of {ATTN_IMPLS}, got {self.attn_impl!r}")
+        if self.attn_impl not in DIFF_IMPLS:
+            raise ValueError(f"ModelConfig.attn_impl must be one of {DIFF_IMPLS}, got {self.attn_impl!r}")
         if self.d_model % self.n_heads:
             raise ValueError(
                 f"d_model {self.d_model} is not divisible by n_heads {self.n_heads}; the head size is "

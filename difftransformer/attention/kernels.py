@@ -16,11 +16,10 @@ Scores and softmax are computed in float32 (float64 for float64 inputs).
 Three exact methods for differential attention, chosen by ``impl``:
 
 - ``sdpa`` (``auto`` on GPUs, and on CPU for half-heads under 64 and fewer than 512 queries): one fused
-  ``scaled_dot_product_attention`` call over the 2H half-heads.
-  Fused kernels need equal query and value widths, so q and k are zero-padded from d to 2d (scores
-  unchanged, scale passed explicitly) and each group's 2d-wide V serves both maps: twice the baseline's
-  attention-core work, inside a fused kernel. Never materialises a (T, T) map.
-
+  ``scaled_dot_product_attention`` call over the 2H half-heads. Fused kernels need equal query and value
+  widths, so q and k are zero-padded from d to 2d (scores unchanged, scale passed explicitly) and each
+  group's 2d-wide V serves both maps: twice the baseline's attention-core work, inside a fused kernel.
+  Never materialises a (T, T) map.
 - ``plain``: materialises both (Tq, Tk) softmax maps of every head in float32; used for analysis
   (``need_weights``) and as the readable reference.
 - ``block`` (``auto`` on CPU for half-heads of 64 or more, or 512 queries or more): processes blocks of
@@ -29,6 +28,8 @@ Three exact methods for differential attention, chosen by ``impl``:
   arithmetic, with no 1.5x penalty of two online-softmax passes). Keys and values are read once per
   group, not repeated for GQA. A custom backward recomputes each block from the saved log-sum-exp, so
   training never holds the whole (T, T) maps either.
+
+Decoding (``auto``, at most DECODE_ROWS queries, no gradient) computes the full rows directly.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ MASK_VALUE = torch.finfo(torch.float32).min
 # Query rows per block of the block method (64 measured fastest on a 2-core CPU, forward and backward),
 # fewer when one block's score tensor (B * 2H * rows * Tk float32 values) would exceed 8M values = 32 MiB.
 BLOCK_ROWS = 64
+BLOCK_ELEMENTS = 1 << 23
 # On CPU the block method beats the fused sdpa path (which does 2x the arithmetic) from half-head size 64 up,
 # and for smaller heads from 512 query rows; below both, its elementwise passes dominate and sdpa is faster
 # (training steps measured at d = 16, 32, 64 and T = 256 to 2048). It also saves less for backward: about 1.09x
@@ -49,7 +51,6 @@ BLOCK_MIN_ROWS = 512
 # Without gradients and with at most this many query rows (decoding from a KV cache), ``auto`` computes full
 # rows directly: each group's keys and its 2d-wide values are read once per token for both maps.
 DECODE_ROWS = 16
-BLOCK_ELEMENTS = 1 << 23
 DIFF_IMPLS = ("auto", "sdpa", "block", "plain")
 
 
