@@ -62,16 +62,23 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _documents(args: argparse.Namespace):
+    """(documents, source names) of --input: the built-in corpus for 'pydocs' (unless a path of that name
+    exists), else the text files found under the given paths."""
+    from difftransformer import corpus
+
+    if args.input == ["pydocs"] and not Path("pydocs").exists():
+        return corpus.pydocs_documents(), ["pydocs (CPython help topics and standard-library docstrings)"]
+    files = corpus.find_files(args.input)
+    return corpus.iter_documents(files, args.text_field), [str(f) for f in files]
+
+
 def _data_prepare(args: argparse.Namespace) -> int:
-    from difftransformer import corpus, data
+    from difftransformer import data
     from difftransformer.tokenizer import get_tokenizer
 
     tokenizer = get_tokenizer(args.tokenizer)
-    if args.input == ["pydocs"] and not Path("pydocs").exists():
-        docs, sources = corpus.pydocs_documents(), ["pydocs (CPython help topics and standard-library docstrings)"]
-    else:
-        files = corpus.find_files(args.input)
-        docs, sources = corpus.iter_documents(files, args.text_field), [str(f) for f in files]
+    docs, sources = _documents(args)
     manifest = data.prepare(docs, tokenizer, args.out, val_every=args.val_every, sources=sources)
     splits = manifest["splits"]
     print(
@@ -99,16 +106,11 @@ def _data_verify(args: argparse.Namespace) -> int:
 
 
 def _tokenizer_train(args: argparse.Namespace) -> int:
-    from difftransformer import corpus
     from difftransformer.fsutil import check_new_dir
     from difftransformer.tokenizer import train_bpe
 
     check_new_dir(Path(args.out), "tokenizer directory")
-    if args.input == ["pydocs"] and not Path("pydocs").exists():
-        docs = corpus.pydocs_documents()
-    else:
-        docs = corpus.iter_documents(corpus.find_files(args.input), args.text_field)
-    tok = train_bpe(docs, args.vocab_size, args.out)
+    tok = train_bpe(_documents(args)[0], args.vocab_size, args.out)
     print(f"{args.out}: byte-level BPE with {tok.vocab_size} tokens")
     return 0
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from difftransformer.checkpoint import save_checkpoint
 from difftransformer.fsutil import write_new_dir
-from difftransformer.hf import calibrate_subln, from_hf, llama_to_diff, to_hf
+from difftransformer.hf import calibrate_subln, diff_from_standard, from_hf, to_hf
 from difftransformer.runs import MODEL_CONFIG, load_run
 from difftransformer.tokenizer import EOT, HF_FILE, HFTokenizer
 
@@ -53,7 +53,7 @@ def _calibration_tokens(tokenizer, max_len: int, rows: int = 4, length: int = 25
 def hf_to_run(hf_dir: str | Path, out_dir: str | Path, attention: str | None = None) -> Path:
     """A run directory (config, a step-0 checkpoint, tokenizer) from a DiffLlama or Llama directory.
 
-    ``attention="diff"`` with a Llama builds a DIFF model from it (``llama_to_diff``), its per-head norms
+    ``attention="diff"`` with a Llama builds a DIFF model from it (``diff_from_standard``), its per-head norms
     calibrated on the built-in corpus; ``difftx train --init-from`` then trains it.
     """
     import json
@@ -77,7 +77,7 @@ def hf_to_run(hf_dir: str | Path, out_dir: str | Path, attention: str | None = N
     model = from_hf(hf_model)
     if attention == "diff" and model.config.attention != "diff":
         reference = model
-        model = llama_to_diff(hf_model)
+        model = diff_from_standard(reference)
         calibrate_subln(model, reference, _calibration_tokens(tokenizer, model.config.max_seq_len))
 
     def write(tmp: Path) -> None:

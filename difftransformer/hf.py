@@ -185,30 +185,29 @@ def from_hf(hf_model) -> TransformerLM:
     return model.eval()
 
 
-def llama_to_diff(hf_model, lambda_start: float = -1.0) -> TransformerLM:
-    """A DIFF TransformerLM initialised from a standard ``LlamaForCausalLM`` (PAPER.md sections 1 and 2).
+def diff_from_standard(base: TransformerLM, lambda_start: float = -1.0) -> TransformerLM:
+    """A DIFF TransformerLM initialised from a standard one, e.g. ``from_hf(a LlamaForCausalLM)`` (PAPER.md
+    sections 1 and 2).
 
-    Head mapping: within each Llama key/value head pair (2g, 2g+1), query heads (2g) * rep + r and
-    (2g + 1) * rep + r become the two components of DIFF head g * rep + r, so each component keeps its own keys;
-    group g's 2d-wide value is the concatenation of Llama value heads 2g and 2g+1, and out_proj takes the two
-    query heads' columns. Embeddings, norms and FFN are copied. The lambda vectors are set so that lambda starts
-    at ``lambda_start`` and ``subln.weight`` at 1 / (1 - lambda_init); call ``calibrate_subln`` with some text to
-    match each layer's output scale to the original. No choice reproduces the original exactly (a DIFF head applies
-    one combined map to both halves of its value, where the two Llama heads apply their own maps); the default
-    lambda = -1 adds the two maps, which keeps both heads' own terms, and measured closest: a trained tiny
-    standard model (validation loss 2.12) converted with lambda 0, -0.3, -0.7 and -1 started at 2.93, 2.73, 2.59
-    and 2.54 after calibration (README, "Starting from a pretrained Llama").
+    Head mapping: within each key/value head pair (2g, 2g+1), query heads (2g) * rep + r and (2g + 1) * rep + r
+    become the two components of DIFF head g * rep + r, so each component keeps its own keys; group g's 2d-wide
+    value is the concatenation of value heads 2g and 2g+1, and out_proj takes the two query heads' columns.
+    Embeddings, norms and FFN are copied. The lambda vectors are set so that lambda starts at ``lambda_start`` and
+    ``subln.weight`` at 1 / (1 - lambda_init); call ``calibrate_subln`` with some text to match each layer's output
+    scale to the original. No choice reproduces the original exactly (a DIFF head applies one combined map to both
+    halves of its value, where the two standard heads apply their own maps); the default lambda = -1 adds the two
+    maps, which keeps both heads' own terms, and measured closest (README, "Starting from a pretrained Llama").
     """
-    base = from_hf(hf_model)
     cfg = base.config
     if cfg.attention != "standard" or cfg.n_heads % 2 or cfg.n_kv_heads % 2:
         raise ValueError(
-            "llama_to_diff takes a LlamaForCausalLM with even numbers of query and key/value heads, got "
+            "diff_from_standard takes a standard model with even numbers of query and key/value heads, got "
             f"{cfg.attention} with {cfg.n_heads} and {cfg.n_kv_heads}"
         )
     diff = TransformerLM(ModelConfig.from_dict({**cfg.to_dict(), "attention": "diff"}))
     d, rep = cfg.head_dim, cfg.n_heads // cfg.n_kv_heads
     sd = {k: v for k, v in base.state_dict().items() if ".attn." not in k}
+    small = math.sqrt(0.01 / d)  # lambda_q1 . lambda_k1 = 0.01, small but trainable
     for i, (src, dst) in enumerate(zip(base.layers, diff.layers, strict=True)):
         a, p = src.attn, f"layers.{i}.attn."
         q = a.q_proj.weight.view(cfg.n_kv_heads // 2, 2, rep, d, -1)  # (group, component, r, d, D)
@@ -218,7 +217,6 @@ def llama_to_diff(hf_model, lambda_start: float = -1.0) -> TransformerLM:
         out = a.out_proj.weight.view(cfg.d_model, cfg.n_kv_heads // 2, 2, rep, d)
         sd[p + "out_proj.weight"] = out.transpose(2, 3).reshape(cfg.d_model, -1)
         lambda_init = dst.attn.lambda_init
-        small = math.sqrt(0.01 / d)  # lambda_q1 . lambda_k1 = 0.01, small but trainable
         second = math.sqrt(max(math.log(math.exp(0.01) + lambda_init - lambda_start), 1e-6) / d)
         for name, value in (("lambda_q1", small), ("lambda_k1", small), ("lambda_q2", second), ("lambda_k2", second)):
             sd[p + name] = torch.full((d,), value)

@@ -66,8 +66,8 @@ def test_convert_errors_write_nothing(prepared, tmp_path, capsys):
     assert not list(tmp_path.glob(".r*"))
 
 
-def test_llama_to_diff_head_mapping():
-    from difftransformer.hf import from_hf, llama_to_diff
+def test_diff_from_llama_head_mapping():
+    from difftransformer.hf import diff_from_standard, from_hf
 
     cfg = transformers.LlamaConfig(
         vocab_size=64,
@@ -79,7 +79,8 @@ def test_llama_to_diff_head_mapping():
         max_position_embeddings=64,
     )
     llama = transformers.LlamaForCausalLM(cfg)
-    base, diff = from_hf(llama), llama_to_diff(llama)
+    base = from_hf(llama)
+    diff = diff_from_standard(base)
     d, rep = 8, 2
     a, b = base.layers[0].attn, diff.layers[0].attn
     assert b.num_heads == 4 and b.num_kv_heads == 2
