@@ -36,12 +36,13 @@ def machine() -> dict:
     }
 
 
-def _result(benchmark: str, shapes: dict, repeats: int, rows: list[dict]) -> dict:
+def _result(benchmark: str, shapes: dict, repeats: int, rows: list[dict], device="cpu", dtype=torch.float32) -> dict:
     """The record every benchmark returns (and --json writes): what ran, where, on which shapes."""
     return {
         "benchmark": benchmark,
         "machine": machine(),
-        "dtype": "float32",
+        "device": str(device),
+        "dtype": str(dtype).removeprefix("torch."),
         "shapes": shapes,
         "repeats": repeats,
         "rows": rows,
@@ -50,9 +51,24 @@ def _result(benchmark: str, shapes: dict, repeats: int, rows: list[dict]) -> dic
 
 def _title(result: dict) -> str:
     m = result["machine"]
-    return (
-        f"{result['benchmark']} benchmark: {m['cpu']}, torch {m['torch']}, {m['threads']} thread(s), {result['dtype']}"
-    )
+    where = f"{m['cuda']} (host {m['cpu']})" if result.get("device", "cpu").startswith("cuda") else m["cpu"]
+    return f"{result['benchmark']} benchmark: {where}, torch {m['torch']}, {m['threads']} thread(s), {result['dtype']}"
+
+
+def triton_available() -> bool:
+    """Whether the optional Triton kernels can run here (a CUDA GPU and the triton package)."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def median_times(fns: dict[str, Callable[[], None]], repeats: int, warmup: int = 1) -> dict[str, float]:
@@ -63,8 +79,10 @@ def median_times(fns: dict[str, Callable[[], None]], repeats: int, warmup: int =
     times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
+            _sync()
             start = time.perf_counter()
             fn()
+            _sync()  # GPU work is asynchronous: time until it has finished
             times[name].append(time.perf_counter() - start)
     return {name: statistics.median(ts) for name, ts in times.items()}
 
@@ -92,21 +110,37 @@ class _HFDiffLlamaAttention(torch.nn.Module):
         return self.attn(x, position_embeddings=self.rotary(x, positions), attention_mask=None)[0]
 
 
+def diff_impls(device: str) -> tuple[str, ...]:
+    """Our DIFF methods worth timing on a device: the block method is the CPU one, Triton needs a GPU."""
+    if str(device).startswith("cuda"):
+        return ("sdpa", "plain", "triton") if triton_available() else ("sdpa", "plain")
+    return ("sdpa", "block", "plain")
+
+
 def bench_attention(
-    seqs: list[int], dim: int = 512, heads: int = 8, batch: int = 1, repeats: int = 5, plain_max_seq: int = 4096
+    seqs: list[int],
+    dim: int = 512,
+    heads: int = 8,
+    batch: int = 1,
+    repeats: int = 5,
+    plain_max_seq: int = 4096,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
 ) -> dict:
     """One attention layer of width ``dim``: DIFF (heads/2 differential heads) by impl vs standard (heads heads)."""
     torch.manual_seed(0)
-    layers = {impl: MultiheadDiffAttn(dim, heads // 2, 0, impl=impl) for impl in ("sdpa", "block", "plain")}
+    layers = {impl: MultiheadDiffAttn(dim, heads // 2, 0, impl=impl) for impl in diff_impls(device)}
     layers["standard"] = MultiheadAttention(dim, heads, 0)
     try:
         for impl in ("sdpa", "eager"):
             layers[f"hf-{impl}"] = _HFDiffLlamaAttention(dim, heads, impl)
     except ImportError:  # transformers is optional: the comparison is skipped and the table says so
         pass
+    for layer in layers.values():
+        layer.to(device, dtype)
     rows = []
     for t in seqs:
-        x = torch.randn(batch, t, dim)
+        x = torch.randn(batch, t, dim, device=device, dtype=dtype)
         xg = x.clone().requires_grad_()
         names = [n for n in layers if n not in ("plain", "hf-eager") or t <= plain_max_seq]
         with torch.no_grad():
@@ -125,6 +159,8 @@ def bench_attention(
         },
         repeats,
         rows,
+        device,
+        dtype,
     )
 
 
@@ -140,7 +176,7 @@ def format_attention(result: dict) -> str:
         _title(result),
         f"batch {s['batch']}, width {s['dim']}: DIFF {s['diff_heads']} heads vs standard {s['standard_heads']} heads "
         f"of size {s['head_dim']}; medians of {result['repeats']} interleaved repeats after warm-up. Columns: "
-        "standard = our baseline; sdpa, block, plain = our DIFF methods; hf-* = transformers DiffLlamaAttention",
+        "standard = our baseline; sdpa, block, plain, triton = our DIFF methods; hf-* = transformers DiffLlama",
         "",
         "| T | direction | "
         + " | ".join(f"{n} ms" for n in names)
@@ -186,9 +222,17 @@ def _train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, x: tor
     optimizer.zero_grad(set_to_none=True)
 
 
-def bench_train(preset: str = "small", seqs: list[int] | None = None, batch: int = 4, repeats: int = 3) -> dict:
+def bench_train(
+    preset: str = "small",
+    seqs: list[int] | None = None,
+    batch: int = 4,
+    repeats: int = 3,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> dict:
     """A training step (forward, backward, AdamW) and its activation memory: our DIFF, our standard, and Hugging Face
-    DiffLlama (its SDPA attention) built from our DIFF model's config and weights."""
+    DiffLlama (its SDPA attention) built from our DIFF model's config and weights. With a GPU and Triton, also our
+    DIFF with the Triton kernel (``diff-triton``)."""
     seqs = seqs or [256, 1024, 2048]
     rows = []
     for t in seqs:
@@ -196,6 +240,9 @@ def bench_train(preset: str = "small", seqs: list[int] | None = None, batch: int
         for attention in ("diff", "standard"):
             torch.manual_seed(0)
             models[attention] = TransformerLM(ModelConfig.preset(preset, attention=attention, max_seq_len=t))
+        if "triton" in diff_impls(device):
+            models["diff-triton"] = TransformerLM(ModelConfig.preset(preset, max_seq_len=t, attn_impl="triton"))
+            models["diff-triton"].load_state_dict(models["diff"].state_dict())
         try:
             from difftransformer.hf import to_hf
 
@@ -204,7 +251,9 @@ def bench_train(preset: str = "small", seqs: list[int] | None = None, batch: int
             models["hf-diffllama"] = hf
         except ImportError:
             pass
-        x = torch.randint(0, models["diff"].config.vocab_size, (batch, t))
+        for m in models.values():
+            m.to(device, dtype)
+        x = torch.randint(0, models["diff"].config.vocab_size, (batch, t), device=device)
         optimizers = {n: torch.optim.AdamW(m.parameters(), lr=1e-4, foreach=False) for n, m in models.items()}
 
         seconds = median_times({n: partial(_train_step, m, optimizers[n], x) for n, m in models.items()}, repeats)
@@ -225,6 +274,8 @@ def bench_train(preset: str = "small", seqs: list[int] | None = None, batch: int
         ),
         repeats,
         rows,
+        device,
+        dtype,
     )
 
 
@@ -251,6 +302,22 @@ def format_train(result: dict) -> str:
             f"{sec['diff'] / sec['standard']:.2f} | {hf_ratio} | {mem['standard'] / 2**20:.1f} | "
             f"{mem['diff'] / 2**20:.1f} | {hf_mib} | {hf_mem} | {mem['diff'] / mem['standard']:.2f} |"
         )
+    triton_rows = [row for row in result["rows"] if "diff-triton" in row["seconds"]]
+    if triton_rows:
+        lines += [
+            "",
+            "Our DIFF with the Triton kernel (attn_impl triton), same weights:",
+            "",
+            "| T | DIFF-triton ms | triton/standard | triton/DIFF auto | activations MiB | triton/std memory |",
+            "|---|---|---|---|---|---|",
+        ]
+        for row in triton_rows:
+            sec, mem = row["seconds"], row["activation_bytes"]
+            lines.append(
+                f"| {row['seq']} | {sec['diff-triton'] * 1e3:.0f} | {sec['diff-triton'] / sec['standard']:.2f} | "
+                f"{sec['diff-triton'] / sec['diff']:.2f} | {mem['diff-triton'] / 2**20:.1f} | "
+                f"{mem['diff-triton'] / mem['standard']:.2f} |"
+            )
     return "\n".join(lines)
 
 

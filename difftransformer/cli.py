@@ -46,11 +46,19 @@ def _bench(args: argparse.Namespace) -> int:
     try:
         if args.what == "attention":
             result = bench.bench_attention(
-                args.seq or [1024, 4096], args.dim, args.heads, args.batch or 1, args.repeats
+                args.seq or [1024, 4096],
+                args.dim,
+                args.heads,
+                args.batch or 1,
+                args.repeats,
+                device=args.device,
+                dtype=getattr(torch, args.dtype),
             )
             print(bench.format_attention(result))
         elif args.what == "train":
-            result = bench.bench_train(args.preset, args.seq, args.batch or 4, args.repeats)
+            result = bench.bench_train(
+                args.preset, args.seq, args.batch or 4, args.repeats, args.device, getattr(torch, args.dtype)
+            )
             print(bench.format_train(result))
         else:
             result = bench.bench_decode(args.context, args.preset, args.tokens, args.repeats)
@@ -330,9 +338,46 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--batch", type=int, help="attention: 1, train: 4")
     bench.add_argument("--repeats", type=int, default=3)
     bench.add_argument("--threads", type=int, default=1)
+    bench.add_argument("--device", default="cpu", help="attention, train: cpu or cuda")
+    bench.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="attention/train")
     bench.add_argument("--json", help="also write the results to this JSON file")
     bench.set_defaults(func=_bench)
+
+    repro = sub.add_parser("repro", help="the paper's attention-noise claims on synthetic tasks: train pairs, report")
+    repro.add_argument("what", choices=["needle", "allocation", "icl", "all"])
+    repro.add_argument("--scale", default="cpu", choices=["cpu", "gpu"], help="model size and training budget")
+    repro.add_argument("--seeds", type=int, default=3, help="seeds 0..n-1; each trains a DIFF and a standard model")
+    repro.add_argument("--out", help="a new report directory (default reports/<what>, or reports for all)")
+    repro.add_argument("--workers", type=int, default=2, help="models trained at once (one thread each)")
+    repro.add_argument("--steps", type=int, help="override the scale's training steps (quick checks)")
+    repro.add_argument("--models", help="allocation: a needle report directory whose trained models to measure")
+    repro.set_defaults(func=_repro)
+
+    analyze = sub.add_parser("analyze", help="plots of a trained run's attention")
+    analyze.add_argument("what", choices=["attention"])
+    analyze.add_argument("--run", required=True, help="a run directory (its newest checkpoint) or a repro model .pt")
+    analyze.add_argument("--prompt-file", required=True, help="UTF-8 text (byte/BPE runs) or whitespace-separated ids")
+    analyze.add_argument("--out", required=True, help="the PNG to write (must not exist)")
+    analyze.add_argument("--layer", type=int, default=-1, help="layer to show (default the last)")
+    analyze.set_defaults(func=_analyze)
     return parser
+
+
+def _repro(args: argparse.Namespace) -> int:
+    from difftransformer.repro import suite
+
+    out = args.out or ("reports" if args.what == "all" else f"reports/{args.what}")
+    report = suite.run(args.what, out, args.scale, args.seeds, args.workers, args.steps, args.models)
+    print(f"report: {report}")
+    return 0
+
+
+def _analyze(args: argparse.Namespace) -> int:
+    from difftransformer.analyze import analyze_attention
+
+    path = analyze_attention(args.run, args.prompt_file, args.out, args.layer)
+    print(f"wrote {path}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

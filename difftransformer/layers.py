@@ -15,12 +15,16 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim)) if elementwise_affine else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        """``x / sqrt(mean(x^2) + eps) * weight * scale``; a constant ``scale`` is folded into the weight, which
+        saves a pass over x (the per-head norm of differential attention scales by 1 - lambda_init)."""
         xf = x.to(torch.promote_types(x.dtype, torch.float32))
-        out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.weight is not None:
-            out = out * self.weight.to(xf.dtype)
-        return out.type_as(x)
+        weight = self.weight
+        if weight is None and scale != 1.0:
+            weight = torch.full((x.shape[-1],), scale, dtype=xf.dtype, device=x.device)
+        elif weight is not None:
+            weight = (weight * scale if scale != 1.0 else weight).to(xf.dtype)
+        return F.rms_norm(xf, (x.shape[-1],), weight, self.eps).type_as(x)
 
     def reset_parameters(self) -> None:
         if self.weight is not None:

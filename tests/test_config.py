@@ -67,7 +67,7 @@ def test_json_round_trip(tmp_path):
         (dict(n_layers=2.5), "n_layers must be a positive integer"),
         (dict(dropout=1.0), r"dropout must be in \[0, 1\)"),
         (dict(norm_eps=0), "must be positive"),
-        (dict(attn_impl="triton"), "attn_impl must be one of"),
+        (dict(attn_impl="flash"), "attn_impl must be one of"),
         (dict(bogus=1), r"unknown ModelConfig field\(s\) \['bogus'\]"),
     ],
 )

@@ -21,7 +21,13 @@ import torch
 from torch import nn
 
 from difftransformer.attention.common import AttentionBase, expand_mask, rotary_of
-from difftransformer.attention.kernels import DIFF_IMPLS, diff_attention, diff_attention_plain, softmax_dtype
+from difftransformer.attention.kernels import (
+    DIFF_IMPLS,
+    attention_probs,
+    diff_attention,
+    diff_attention_plain,
+    softmax_dtype,
+)
 from difftransformer.cache import KVCache
 from difftransformer.layers import RMSNorm
 from difftransformer.rotary import apply_rotary
@@ -111,6 +117,19 @@ class MultiheadDiffAttn(AttentionBase):
         rotary: (cos, sin) of the new tokens' positions, when the caller computes them once for all layers.
         """
         b, t, _ = x.shape
+        q, k, v, mask = self._project(x, mask, positions, cache, rotary)
+        lam = self.lambda_full()
+        if need_weights:
+            attn, weights = diff_attention_plain(q, k, v, lam, scale=self.scaling, causal=self.causal, mask=mask)
+        else:
+            attn = diff_attention(q, k, v, lam, scale=self.scaling, causal=self.causal, mask=mask, impl=self.impl)
+        attn = self.subln(attn, scale=1 - self.lambda_init)  # (B, H, T, 2d)
+        out = self.out_proj(attn.transpose(1, 2).reshape(b, t, 2 * self.num_heads * self.head_dim))
+        return (out, weights) if need_weights else out
+
+    def _project(self, x, mask, positions, cache, rotary):
+        """q (B, H, 2, T, d), k (B, Hkv, 2, Tk, d), v (B, Hkv, Tk, 2d) with rotary and cache, and the expanded mask."""
+        b, t, _ = x.shape
         d = self.head_dim
         q = self.q_proj(x).view(b, t, self.num_heads, 2, d)
         k = self.k_proj(x).view(b, t, self.num_kv_heads, 2, d)
@@ -123,15 +142,21 @@ class MultiheadDiffAttn(AttentionBase):
         v = v.transpose(1, 2)  # (B, Hkv, T, 2d)
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v)  # (B, Hkv, 2, Tk, d), (B, Hkv, Tk, 2d)
-        mask = expand_mask(mask, b, t, v.shape[-2])
-        lam = self.lambda_full()
-        if need_weights:
-            attn, weights = diff_attention_plain(q, k, v, lam, scale=self.scaling, causal=self.causal, mask=mask)
-        else:
-            attn = diff_attention(q, k, v, lam, scale=self.scaling, causal=self.causal, mask=mask, impl=self.impl)
-        attn = self.subln(attn) * (1 - self.lambda_init)  # (B, H, T, 2d)
-        out = self.out_proj(attn.transpose(1, 2).reshape(b, t, 2 * self.num_heads * d))
-        return (out, weights) if need_weights else out
+        return q, k, v, expand_mask(mask, b, t, v.shape[-2])
+
+    @torch.no_grad()
+    def softmax_maps(
+        self,
+        x: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """The two softmax maps of every head, for analysis: (B, H, 2, T, T), float32. The differential map
+        that forward(need_weights=True) returns is ``maps[:, :, 0] - lambda_full() * maps[:, :, 1]``."""
+        q, k, _, mask = self._project(x, mask, positions, None, rotary)
+        k = k.repeat_interleave(self.num_heads // self.num_kv_heads, dim=1)
+        return attention_probs(q, k, self.scaling, self.causal, None if mask is None else mask[:, :, None])
 
     def extra_repr(self) -> str:
         return (

@@ -29,6 +29,11 @@ Three exact methods for differential attention, chosen by ``impl``:
   group, not repeated for GQA. A custom backward recomputes each block from the saved log-sum-exp, so
   training never holds the whole (T, T) maps either.
 
+- ``triton`` (opt-in, CUDA, ``pip install 'difftransformer[triton]'``): forward and backward Triton kernels that
+  read K and V once for both maps (``triton_diff.py``). Inputs the kernels do not handle (a boolean mask,
+  other head sizes or dtypes) take the ``auto`` path. Not chosen by ``auto``: no measurement on a GPU shows it
+  faster yet.
+
 Decoding (``auto``, at most DECODE_ROWS queries, no gradient) computes the full rows directly.
 """
 
@@ -51,7 +56,7 @@ BLOCK_MIN_ROWS = 512
 # Without gradients and with at most this many query rows (decoding from a KV cache), ``auto`` computes full
 # rows directly: each group's keys and its 2d-wide values are read once per token for both maps.
 DECODE_ROWS = 16
-DIFF_IMPLS = ("auto", "sdpa", "block", "plain")
+DIFF_IMPLS = ("auto", "sdpa", "block", "plain", "triton")
 
 
 def attention_probs(
@@ -216,6 +221,17 @@ def diff_attention(
     """Exact differential attention ``(softmax(q1 k1^T) - lambda softmax(q2 k2^T)) v`` -> (B, H, Tq, 2d)."""
     if impl not in DIFF_IMPLS:
         raise ValueError(f"unknown differential attention impl {impl!r}; choose one of {DIFF_IMPLS}")
+    if impl == "triton":
+        try:  # optional dependency, imported on first use
+            from . import triton_diff
+        except ImportError as err:
+            raise ImportError(
+                "attention impl 'triton' needs Triton: pip install 'difftransformer[triton]' (or use impl 'auto')"
+            ) from err
+
+        if triton_diff.supported(q, k, causal, mask):
+            return triton_diff.diff_attention_triton(q, k, v, lambda_full, scale, causal)
+        impl = "auto"
     if impl == "auto" and q.shape[3] <= DECODE_ROWS and not torch.is_grad_enabled():
         return _diff_decode(q, k, v, lambda_full, scale, causal, mask)
     if impl == "auto":

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# All GPU checks and benchmarks of issue #5 in one run (about 8 minutes on one H200), for a session lent a device
+# machine: `run` with command `bash benchmarks/gpu.sh` and timeout_s 540. It uses the machine's own python3
+# (PyTorch with CUDA, Triton, transformers) with this checkout on PYTHONPATH, and writes everything it prints to
+# $OUT/gpu.log plus the benchmark JSON files, to be committed under benchmarks/results/.
+set -uo pipefail
+OUT=${OUT:-/tmp/gpu-out}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+log="$OUT/gpu.log"
+{
+  date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+  python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+  echo "== kernel checks on the GPU (fp32 against the plain path; the model step against the PyTorch path)"
+  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_triton.py tests/test_diff_attention.py
+  echo "== bf16 kernel vs float64 plain path, T = 2048"
+  timeout 60 python3 - <<'PY'
+import torch
+from difftransformer.attention import kernels
+torch.manual_seed(0)
+q = torch.randn(2, 8, 2, 2048, 64, device="cuda"); k = torch.randn(2, 4, 2, 2048, 64, device="cuda")
+v = torch.randn(2, 4, 2048, 128, device="cuda"); lam = torch.tensor(0.6, device="cuda")
+ref = kernels.diff_attention(*(t.double() for t in (q, k, v, lam)), scale=0.125, impl="plain")
+for impl in ("triton", "sdpa"):
+    out = kernels.diff_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), lam, scale=0.125, impl=impl)
+    print(impl, "bf16 max abs error", (out.double() - ref).abs().max().item())
+PY
+  python3 -m difftransformer bench attention --device cuda --dtype bfloat16 --seq 2048 4096 8192 --batch 4 \
+    --dim 2048 --heads 16 --repeats 10 --json "$OUT/attention_h200.json"
+  python3 -m difftransformer bench train --device cuda --dtype bfloat16 --preset small --seq 2048 4096 --batch 8 \
+    --repeats 10 --json "$OUT/train-small_h200.json"
+} 2>&1 | tee "$log"

@@ -1,0 +1,86 @@
+"""Shared pieces of the reproduction reports: statistics over seeds, Markdown tables, plots, JSON."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+PAIR = ("diff", "standard")
+NAMES = {"diff": "DIFF", "standard": "standard"}
+COLORS = {"diff": "tab:red", "standard": "tab:blue"}
+
+
+def mean(xs: list[float]) -> float:
+    return statistics.fmean(xs) if xs else float("nan")
+
+
+def std(xs: list[float]) -> float:
+    return statistics.stdev(xs) if len(xs) > 1 else 0.0
+
+
+def mean_std(xs: list[float], digits: int = 2) -> str:
+    """'mean +- std (min-max)' over seeds."""
+    if not xs:
+        return "-"
+    return f"{mean(xs):.{digits}f} +- {std(xs):.{digits}f} ({min(xs):.{digits}f}-{max(xs):.{digits}f})"
+
+
+def mean_grid(grids: list[list[list[float]]]) -> list[list[float]]:
+    """Elementwise mean of equally shaped nested lists (one per seed)."""
+    return [[mean([g[i][j] for g in grids]) for j in range(len(grids[0][i]))] for i in range(len(grids[0]))]
+
+
+def write_json(path: Path, result: dict) -> None:
+    path.write_text(json.dumps(result, indent=1) + "\n")
+
+
+def curve_table(runs: list[dict], measure: str) -> str:
+    """Final measure, training seconds and the first step reaching half the final mean, per model and seed."""
+    lines = [
+        f"Learning curves ({measure} on a fixed set; full curves in results.json):",
+        "",
+        "| model | seed | final | best | training seconds | seconds per step |",
+        "|---|---|---|---|---|---|",
+    ]
+    for run in sorted(runs, key=lambda r: (PAIR.index(r["attention"]), r["seed"])):
+        curve = run["curve"]
+        steps = curve[-1]["step"]
+        lines.append(
+            f"| {NAMES[run['attention']]} | {run['seed']} | {curve[-1]['accuracy']:.2f} | "
+            f"{max(c['accuracy'] for c in curve):.2f} | {run['seconds']:.0f} | {run['seconds'] / max(1, steps):.3f} |"
+        )
+    return "\n".join(lines)
+
+
+def images(task: str) -> str:
+    return f"Figures: `{task}_*.png` beside this report."
+
+
+def pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_curves(runs: list[dict], path: Path, ylabel: str) -> None:
+    """The measure against steps and against training seconds: thin line per seed, both models."""
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.2), sharey=True)
+    for run in runs:
+        steps = [c["step"] for c in run["curve"]]
+        secs = [c["seconds"] for c in run["curve"]]
+        acc = [c["accuracy"] for c in run["curve"]]
+        label = f"{NAMES[run['attention']]} seed {run['seed']}"
+        axes[0].plot(steps, acc, color=COLORS[run["attention"]], alpha=0.8, lw=1, label=label)
+        axes[1].plot(secs, acc, color=COLORS[run["attention"]], alpha=0.8, lw=1)
+    axes[0].set_xlabel("step")
+    axes[1].set_xlabel("training seconds (one thread)")
+    axes[0].set_ylabel(ylabel)
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

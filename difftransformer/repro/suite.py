@@ -1,0 +1,51 @@
+"""`difftx repro`: run one experiment or all of them into a new report directory."""
+
+from __future__ import annotations
+
+import importlib
+import time
+from pathlib import Path
+
+from difftransformer.fsutil import check_new_dir
+
+EXPERIMENTS = ("needle", "allocation", "icl")
+
+
+def run(
+    what: str,
+    out: str | Path,
+    scale: str = "cpu",
+    seeds: int = 3,
+    workers: int = 2,
+    steps: int | None = None,
+    models: str | Path | None = None,
+) -> Path:
+    """Run ``what`` (an experiment or 'all') into ``out``, which must be new or empty; returns the report path.
+
+    allocation measures the needle task's models: those in ``models`` (a needle report directory) when given, the
+    ones ``all`` has just trained, or else it trains them itself.
+    """
+    if what not in (*EXPERIMENTS, "all"):
+        raise ValueError(f"unknown experiment {what!r}; choose one of {', '.join(EXPERIMENTS)} or all")
+    if seeds < 1:
+        raise ValueError(f"--seeds must be at least 1, got {seeds}")
+    out = Path(out)
+    check_new_dir(out, "report directory")
+    seed_list = list(range(seeds))
+    todo = EXPERIMENTS if what == "all" else (what,)
+    sections = []
+    for name in todo:
+        target = out / name if what == "all" else out
+        target.mkdir(parents=True, exist_ok=True)
+        start = time.perf_counter()
+        module = importlib.import_module(f"difftransformer.repro.{name}")
+        if name == "allocation":
+            source = Path(models) if models else (out / "needle" if what == "all" else None)
+            module.run(target, scale, seed_list, workers, steps, models=source)
+        else:
+            module.run(target, scale, seed_list, workers, steps)
+        print(f"difftx repro {name}: done in {time.perf_counter() - start:.0f} s -> {target / 'section.md'}")
+        sections.append((target / "section.md").read_text())
+    report = out / "report.md"
+    report.write_text(f"# Attention-noise claims, {scale} scale\n\n" + "\n\n".join(sections))
+    return report

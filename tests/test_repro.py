@@ -1,0 +1,221 @@
+"""The reproduction suite's building blocks on known cases: generators, the allocation metric, the order protocol,
+and the commands end to end on a tiny setting."""
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+
+from difftransformer import TransformerLM
+from difftransformer.analysis import allocation, attention_maps
+from difftransformer.cli import main
+from difftransformer.config import ModelConfig
+from difftransformer.repro import allocation as allocation_exp
+from difftransformer.repro import icl, needle, suite
+from difftransformer.repro.fit import FitSpec, save_models
+from difftransformer.repro.tasks import (
+    FEATURES_PER_CLASS,
+    IGNORE,
+    MARK,
+    QRY,
+    demo_order,
+    icl_batch,
+    icl_episodes,
+    needle_batch,
+)
+
+
+def test_needle_batch_layout():
+    nb = needle_batch(torch.Generator().manual_seed(0), 64, 40, 4, 2, depth=0.5)
+    hay = 40 - 3 * 2
+    assert (nb.needle_start == round(0.5 * (hay - 3))).all()
+    for i in range(64):
+        t = nb.tokens[i]
+        marks = (t[:hay] == MARK).nonzero().flatten().tolist()
+        assert len(marks) == 4 and int(nb.needle_start[i]) in marks  # filler never holds the marker
+        keys, values = t[[m + 1 for m in marks]], t[[m + 2 for m in marks]]
+        assert len(set(keys.tolist())) == 4 and len(set(values.tolist())) == 4
+        assert set(keys.tolist()).isdisjoint(values.tolist())
+        start = int(nb.needle_start[i])
+        # the first query asks the needle at the requested depth; the second asks a different one
+        assert t[hay] == QRY and t[hay + 1] == t[start + 1] and t[hay + 2] == t[start + 2] == nb.answer[i]
+        assert t[hay + 3] == QRY and t[hay + 4] != t[hay + 1]
+        assert sorted(nb.other_values[i].tolist() + [int(nb.answer[i])]) == sorted(values.tolist())
+        assert nb.answer_pos[i] == hay + 1 and nb.targets[i, hay + 1] == nb.answer[i]
+        assert (nb.targets[i, :hay] == IGNORE).all()
+    first = needle_batch(torch.Generator().manual_seed(0), 2, 40, 2, 1, depth=0.0)
+    last = needle_batch(torch.Generator().manual_seed(0), 2, 40, 2, 1, depth=1.0)
+    assert (first.needle_start == 0).all() and (last.needle_start == 40 - 3 - 3).all()
+    again = needle_batch(torch.Generator().manual_seed(0), 64, 40, 4, 2, depth=0.5)
+    assert torch.equal(again.tokens, nb.tokens)  # the same seed gives the same data, whatever model trains on it
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [((10, 3, 4), "need 1 <= R <= N"), ((10, 3, 1), "too short"), ((64, 31, 1), "at most 30 needles")],
+)
+def test_needle_batch_rejects_impossible_settings(args, message):
+    with pytest.raises(ValueError, match=message):
+        needle_batch(torch.Generator(), 2, *args)
+
+
+class _Predicts(torch.nn.Module):
+    """A stand-in model whose prediction at every position is a given token per sequence."""
+
+    def __init__(self, tokens):
+        super().__init__()
+        self.tokens = tokens
+
+    def forward(self, x):
+        logits = torch.zeros(x.shape[0], x.shape[1], 64)
+        logits[torch.arange(x.shape[0]), :, self.tokens] = 1.0
+        return logits
+
+
+def test_needle_outcome_shares():
+    nb = needle_batch(torch.Generator().manual_seed(1), 8, 40, 3, 2)
+    guess = nb.answer.clone()
+    guess[4:6] = nb.other_values[4:6, 0]  # two answer another needle's value
+    guess[6:] = MARK  # two answer something else
+    shares = needle.outcomes(_Predicts(guess), nb)
+    assert shares == {"correct": 0.5, "other_needle": 0.25, "other": 0.25}
+
+
+def test_allocation_on_a_hand_made_map():
+    # one sequence, two heads, 6 positions; the row read is position 5, the answer span [1, 3), the context [0, 4)
+    maps = torch.zeros(1, 2, 6, 6)
+    maps[0, 0, 5] = torch.tensor([0.1, 0.3, 0.2, 0.1, 0.0, 0.3])  # softmax-like: the query's own 0.3 counts nowhere
+    maps[0, 1, 5] = torch.tensor([0.2, -0.4, 0.5, -0.1, 0.0, 0.1])  # signed, like a differential map
+    out = allocation(maps, torch.tensor([5]), torch.tensor([[1, 3]]), torch.tensor([4]))
+    torch.testing.assert_close(out["answer"], torch.tensor([[0.5, 0.1]]))
+    torch.testing.assert_close(out["noise"], torch.tensor([[0.2, 0.1]]))
+    torch.testing.assert_close(out["answer_abs"], torch.tensor([[0.5, 0.9]]))
+    torch.testing.assert_close(out["noise_abs"], torch.tensor([[0.2, 0.3]]))
+
+
+@pytest.mark.parametrize("attention", ["diff", "standard"])
+def test_attention_maps_are_the_maps_that_mix_the_values(attention):
+    torch.manual_seed(0)
+    model = TransformerLM(ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, attention=attention)).eval()
+    tokens = torch.randint(0, 64, (2, 10))
+    layers = attention_maps(model, tokens, both=True)
+    assert len(layers) == 2
+    for layer, block in zip(layers, model.layers, strict=True):
+        assert layer.mixed.shape == (2, block.attn.num_heads, 10, 10)
+        assert torch.all(layer.mixed.triu(1) == 0)  # causal
+        if attention == "diff":
+            torch.testing.assert_close(layer.softmax.sum(-1), torch.ones(2, 2, 2, 10))
+            expected = layer.softmax[:, :, 0] - layer.lam * layer.softmax[:, :, 1]
+            torch.testing.assert_close(layer.mixed, expected)
+            assert layer.lam == pytest.approx(block.attn.lambda_full().item())
+        else:
+            torch.testing.assert_close(layer.mixed.sum(-1), torch.ones(2, 4, 10))
+    # the hooks are gone afterwards: a plain forward returns logits as before
+    assert model(tokens).shape == (2, 10, 64)
+
+
+def test_icl_episode_labels_follow_classes():
+    eps = icl_episodes(torch.Generator().manual_seed(0), 16, 4, 12)
+    batch = icl_batch(eps)
+    for i in range(16):
+        feats = eps.demo_features[i]
+        for j in range(12):
+            c = int(eps.demo_classes[i, j])
+            assert batch.tokens[i, 3 * j + 2] == eps.label_tokens[i, c] == batch.targets[i, 3 * j + 1]
+            # the two features are distinct and no other demonstration of another class shares them
+            assert feats[j, 0] != feats[j, 1]
+            others = feats[eps.demo_classes[i] != c].flatten().tolist()
+            assert set(feats[j].tolist()).isdisjoint(others)
+        assert batch.answer[i] == eps.label_tokens[i, eps.query_class[i]] == batch.targets[i, -1]
+    assert batch.tokens.shape == (16, 3 * 12 + 2) and (batch.query_pos == 3 * 12 + 1).all()
+    assert len(set(eps.label_tokens[0].tolist())) == 4 and FEATURES_PER_CLASS == 4
+
+
+def test_demo_orders():
+    eps = icl_episodes(torch.Generator().manual_seed(0), 8, 4, 12, balanced=True)
+    classes = eps.demo_classes
+    for arrangement in ("random", "grouped", "alternating"):
+        order = demo_order(torch.Generator().manual_seed(3), classes, arrangement)
+        assert torch.equal(order.sort(-1).values, torch.arange(12).expand(8, 12))  # a permutation
+        again = demo_order(torch.Generator().manual_seed(3), classes, arrangement)
+        assert torch.equal(order, again)
+        arranged = classes.gather(1, order)
+        if arrangement == "grouped":  # 4 runs of 3 equal classes
+            assert (arranged.view(8, 4, 3) == arranged.view(8, 4, 3)[..., :1]).all()
+        if arrangement == "alternating":  # each round of 4 holds every class once, in the same class order
+            rounds = arranged.view(8, 3, 4)
+            assert (rounds.sort(-1).values == torch.arange(4)).all() and (rounds == rounds[:, :1]).all()
+    with pytest.raises(ValueError, match="unknown arrangement"):
+        demo_order(torch.Generator(), classes, "sorted")
+    assert icl.spread([0.5, 0.62, 0.55]) == pytest.approx(12.0)
+
+
+TINY = FitSpec(d_model=32, n_layers=2, n_heads=4, steps=3, batch_size=4, eval_every=2)
+
+
+@pytest.fixture
+def tiny_scales(monkeypatch):
+    monkeypatch.setitem(needle.SCALES, "cpu", replace(TINY, task=dict(needle.SCALES["cpu"].task, eval_size=8)))
+    monkeypatch.setitem(
+        icl.SCALES, "cpu", replace(TINY, task=dict(icl.SCALES["cpu"].task, eval_size=8, eval_shots=[1, 4]))
+    )
+    monkeypatch.setattr(allocation_exp, "SIZE", 4)
+    monkeypatch.setattr(icl, "ORDER_SEEDS", 2)
+
+
+def test_repro_all_writes_every_report(tmp_path, tiny_scales, capsys):
+    out = tmp_path / "reports"
+    assert main(["repro", "all", "--seeds", "2", "--workers", "1", "--out", str(out)]) == 0
+    report = (out / "report.md").read_text()
+    for title in ("## Multi-needle retrieval", "## Attention allocation", "## In-context learning"):
+        assert title in report
+    for name in ("needle_depth_length.png", "needle_curves.png"):
+        assert (out / "needle" / name).stat().st_size > 1000
+    assert (out / "allocation" / "allocation_bars.png").is_file() and (out / "icl" / "icl_shots.png").is_file()
+    result = json.loads((out / "needle" / "results.json").read_text())
+    pairs = {(a, s) for a in ("diff", "standard") for s in (0, 1)}
+    assert {(e["attention"], e["seed"]) for e in result["evals"]} == pairs
+    assert [c["step"] for c in result["runs"][0]["curve"]] == [0, 2, 3]
+    alloc = json.loads((out / "allocation" / "results.json").read_text())
+    assert alloc["evals"][0]["model"].startswith(str(out / "needle" / "models"))  # reused, not retrained
+    assert not (out / "allocation" / "models").exists()
+    # nothing already written is overwritten
+    assert main(["repro", "icl", "--out", str(out)]) == 2
+    assert "already exists and is not empty" in capsys.readouterr().err
+
+
+def test_repro_allocation_needs_matching_models(tmp_path, tiny_scales, capsys):
+    assert main(["repro", "needle", "--seeds", "1", "--workers", "1", "--out", str(tmp_path / "n")]) == 0
+    args = ["repro", "allocation", "--seeds", "2", "--models", str(tmp_path / "n"), "--out", str(tmp_path / "a")]
+    assert main(args) == 2
+    assert "lacks the needle models of seed(s) [1]" in capsys.readouterr().err
+    assert main(["repro", "needle", "--seeds", "0", "--out", str(tmp_path / "x")]) == 2
+    with pytest.raises(ValueError, match="unknown experiment"):
+        suite.run("outliers", tmp_path / "y")
+
+
+def test_analyze_attention(tmp_path, capsys):
+    torch.manual_seed(0)
+    model = TransformerLM(ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, max_seq_len=16))
+    run = {"attention": "diff", "seed": 0, "config": model.config.to_dict(), "state": model.state_dict()}
+    save_models([run], tmp_path, "needle")
+    path = tmp_path / "models" / "needle-diff-seed0.pt"
+    prompt = tmp_path / "p.txt"
+    prompt.write_text("60 5 7 61 5")
+    out = tmp_path / "maps.png"
+    assert main(["analyze", "attention", "--run", str(path), "--prompt-file", str(prompt), "--out", str(out)]) == 0
+    assert out.stat().st_size > 1000
+    cases = [
+        (out, "already exists"),  # never overwritten
+        (tmp_path / "long.png", "longer than the model's context of 16"),
+        (tmp_path / "bad.png", "not valid UTF-8"),
+    ]
+    for target, message in cases:
+        if "longer" in message:
+            prompt.write_text(" ".join(["1"] * 17))
+        if "UTF-8" in message:
+            prompt.write_bytes(b"1 2 \xff")
+        argv = ["analyze", "attention", "--run", str(path), "--prompt-file", str(prompt), "--out", str(target)]
+        assert main(argv) == 2
+        assert message in capsys.readouterr().err

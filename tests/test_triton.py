@@ -1,0 +1,121 @@
+"""The Triton differential-attention kernels (forward and backward), run in Triton's interpreter on CPU.
+
+TRITON_INTERPRET must be set before triton_diff is imported (Triton decides at decoration time); this
+module sets it at collection when no GPU is present, and nothing else imports the kernels.
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+from conftest import randomize_diff_params  # noqa: E402
+from reference import diff_attn_v1  # noqa: E402
+
+from difftransformer import MultiheadDiffAttn, TransformerLM  # noqa: E402
+from difftransformer.attention import kernels, triton_diff  # noqa: E402
+from difftransformer.config import ModelConfig  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _inputs(b, h, hkv, tq, tk, d, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, h, 2, tq, d, generator=gen)
+    k = torch.randn(b, hkv, 2, tk, d, generator=gen)
+    v = torch.randn(b, hkv, tk, 2 * d, generator=gen)
+    lam = torch.tensor(0.37)
+    return [t.to(DEVICE).requires_grad_() for t in (q, k, v, lam)]
+
+
+@pytest.mark.parametrize(
+    "b, h, hkv, tq, tk, d, causal",
+    [
+        (1, 2, 2, 40, 40, 16, True),  # blocks of 16: the last one partly out of range
+        (2, 4, 2, 33, 33, 32, True),  # GQA: dK and dV sum over the two query heads of each group
+        (1, 2, 1, 48, 48, 16, False),  # MQA, full attention
+        (1, 2, 2, 7, 50, 16, True),  # queries are the last 7 positions (continuing from a cache)
+        (1, 2, 2, 20, 37, 16, False),  # cross-length, no mask
+    ],
+)
+def test_forward_and_backward_match_plain_path(b, h, hkv, tq, tk, d, causal):
+    q, k, v, lam = _inputs(b, h, hkv, tq, tk, d)
+    out = kernels.diff_attention(q, k, v, lam, scale=d**-0.5, causal=causal, impl="triton")
+    grad = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v, lam), grad)
+    ref = kernels.diff_attention(q, k, v, lam, scale=d**-0.5, causal=causal, impl="plain")
+    ref_grads = torch.autograd.grad(ref, (q, k, v, lam), grad)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=2e-6)
+    for name, got, want in zip("qkv", grads[:3], ref_grads[:3], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=f"d{name}")
+    torch.testing.assert_close(grads[3], ref_grads[3], rtol=1e-5, atol=1e-4)
+
+
+def test_causal_rows_ignore_future_keys():
+    q, k, v, lam = _inputs(1, 2, 2, 32, 32, 16)
+    out = kernels.diff_attention(q, k, v, lam, scale=0.25, causal=True, impl="triton")
+    with torch.no_grad():
+        k2, v2 = k.clone(), v.clone()
+        k2[..., 20:, :] += 5.0
+        v2[:, :, 20:] -= 3.0
+    out2 = kernels.diff_attention(q, k2, v2, lam, scale=0.25, causal=True, impl="triton")
+    torch.testing.assert_close(out[:, :, :20], out2[:, :, :20], rtol=0, atol=0)
+    assert (out[:, :, 20:] - out2[:, :, 20:]).abs().max() > 0.1
+
+
+@pytest.mark.parametrize("num_kv_heads", [None, 1])
+def test_layer_matches_reference_equations(num_kv_heads):
+    torch.manual_seed(0)
+    attn = MultiheadDiffAttn(64, 2, 3, num_kv_heads, impl="triton")
+    randomize_diff_params(attn)
+    params = {name: t.detach() for name, t in attn.state_dict().items()}
+    x = torch.randn(2, 24, 64)
+    expected, _ = diff_attn_v1(x.double(), {n: t.double() for n, t in params.items()}, 2, num_kv_heads or 2, 3)
+    torch.testing.assert_close(attn.to(DEVICE)(x.to(DEVICE)).cpu().double(), expected, rtol=1e-4, atol=1e-5)
+
+
+def test_masked_inputs_take_the_exact_pytorch_path():
+    q, k, v, lam = _inputs(2, 2, 2, 12, 12, 16)
+    mask = torch.ones(2, 1, 12, 12, dtype=torch.bool, device=DEVICE)
+    mask[0, :, :, :3] = False  # left padding of the first sequence
+    mask[0, :, :3] = False
+    assert not triton_diff.supported(q, k, True, mask)
+    out = kernels.diff_attention(q, k, v, lam, scale=0.25, causal=True, mask=mask, impl="triton")
+    ref = kernels.diff_attention(q, k, v, lam, scale=0.25, causal=True, mask=mask, impl="plain")
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_supported_shapes():
+    q, k, _, _ = _inputs(1, 2, 2, 8, 8, 16)
+    assert triton_diff.supported(q, k, True, None)
+    assert not triton_diff.supported(q.double(), k.double(), True, None)  # no float64 kernel
+    assert not triton_diff.supported(q[..., :12], k[..., :12], True, None)  # head size 12
+    assert not triton_diff.supported(q, k[:, :, :, :4], True, None)  # causal with more queries than keys
+
+
+def test_model_training_step_matches_block_path():
+    cfg = dict(vocab_size=50, d_model=64, n_layers=2, n_heads=4, max_seq_len=64)
+    torch.manual_seed(0)
+    model = TransformerLM(ModelConfig(**cfg, attn_impl="triton")).to(DEVICE)
+    reference = TransformerLM(ModelConfig(**cfg, attn_impl="block")).to(DEVICE)
+    reference.load_state_dict(model.state_dict())
+    tokens = torch.randint(0, 50, (2, 24), device=DEVICE)
+    losses = []
+    for m in (model, reference):
+        logits = m(tokens[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+        loss.backward()
+        losses.append(loss)
+    torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=1e-6)
+    for (name, p), r in zip(model.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, r.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_cpu_tensors_without_the_interpreter_get_a_clear_error(monkeypatch):
+    q, k, v, lam = (t.detach().cpu() for t in _inputs(1, 2, 2, 8, 8, 16))
+    monkeypatch.setattr(triton_diff, "_interpreting", lambda: False)
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        triton_diff.diff_attention_triton(q, k, v, lam, 0.25, True)
