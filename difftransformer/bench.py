@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from difftransformer.attention import MultiheadAttention, MultiheadDiffAttn
+from difftransformer.attention.kernels import diff_attention, standard_attention
 from difftransformer.cache import KVCache
 from difftransformer.config import ModelConfig
 from difftransformer.model import TransformerLM
@@ -148,6 +149,11 @@ def bench_attention(
         fb = median_times({n: partial(_forward_backward, layers[n], xg) for n in names}, repeats)
         for direction, res in (("forward", fwd), ("forward+backward", fb)):
             rows.append({"seq": t, "direction": direction, "seconds": res})
+        core = _core_inputs(batch, heads, dim // heads, t, device, dtype)
+        impls = [i for i in diff_impls(device) if i != "plain" or t <= plain_max_seq]
+        fns = {"standard": partial(_core_standard, *core["standard"])}
+        fns |= {impl: partial(_core_diff, impl, *core["diff"]) for impl in impls}
+        rows.append({"seq": t, "direction": "core forward+backward", "seconds": median_times(fns, repeats)})
     return _result(
         "attention",
         {
@@ -168,6 +174,34 @@ def _forward_backward(module: torch.nn.Module, x: torch.Tensor) -> None:
     module(x).sum().backward()
 
 
+def _core_inputs(batch, heads, head_dim, t, device, dtype) -> dict:
+    """Inputs of the attention core alone (no projections, rotary or norm): the standard model's ``heads`` heads of
+    ``head_dim`` vs DIFF's heads/2 heads whose query/key halves are head_dim wide and values 2 head_dim (the matched
+    layout of PAPER.md section 1: the same projection widths)."""
+    d = head_dim
+
+    def rand(*shape):
+        return torch.randn(*shape, device=device, dtype=dtype, requires_grad=True)
+
+    return {
+        "standard": (rand(batch, heads, t, head_dim), rand(batch, heads, t, head_dim), rand(batch, heads, t, head_dim)),
+        "diff": (
+            rand(batch, heads // 2, 2, t, d),
+            rand(batch, heads // 2, 2, t, d),
+            rand(batch, heads // 2, t, 2 * d),
+            torch.tensor(0.5, device=device, requires_grad=True),
+        ),
+    }
+
+
+def _core_standard(q, k, v) -> None:
+    standard_attention(q, k, v, scale=q.shape[-1] ** -0.5)[0].sum().backward()
+
+
+def _core_diff(impl, q, k, v, lam) -> None:
+    diff_attention(q, k, v, lam, scale=q.shape[-1] ** -0.5, impl=impl).sum().backward()
+
+
 def format_attention(result: dict) -> str:
     s = result["shapes"]
     names = list(dict.fromkeys(n for row in result["rows"] for n in row["seconds"]))
@@ -176,7 +210,8 @@ def format_attention(result: dict) -> str:
         _title(result),
         f"batch {s['batch']}, width {s['dim']}: DIFF {s['diff_heads']} heads vs standard {s['standard_heads']} heads "
         f"of size {s['head_dim']}; medians of {result['repeats']} interleaved repeats after warm-up. Columns: "
-        "standard = our baseline; sdpa, block, plain, triton = our DIFF methods; hf-* = transformers DiffLlama",
+        "standard = our baseline; sdpa, block, plain, triton = our DIFF methods; hf-* = transformers DiffLlama. "
+        "core = the attention core alone (no projections, rotary or norm)",
         "",
         "| T | direction | "
         + " | ".join(f"{n} ms" for n in names)

@@ -30,14 +30,13 @@ def test_bench_attention_smoke(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "1 thread(s), float32" in text and "DIFF 2 heads vs standard 4 heads of size 16" in text
     result = json.loads(out.read_text())
-    assert [(r["seq"], r["direction"]) for r in result["rows"]] == [
-        (32, "forward"),
-        (32, "forward+backward"),
-        (64, "forward"),
-        (64, "forward+backward"),
-    ]
+    directions = ["forward", "forward+backward", "core forward+backward"]
+    assert [(r["seq"], r["direction"]) for r in result["rows"]] == [(t, d) for t in (32, 64) for d in directions]
     for row in result["rows"]:
-        assert set(row["seconds"]) == {"standard", "sdpa", "block", "plain", "hf-sdpa", "hf-eager"}
+        expected = {"standard", "sdpa", "block", "plain"}
+        if not row["direction"].startswith("core"):  # the core rows time our kernels alone: no HF columns
+            expected |= {"hf-sdpa", "hf-eager"}
+        assert set(row["seconds"]) == expected
         assert all(v > 0 for v in row["seconds"].values())
 
 

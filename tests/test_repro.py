@@ -15,7 +15,9 @@ from difftransformer.repro import allocation as allocation_exp
 from difftransformer.repro import icl, needle, suite
 from difftransformer.repro.fit import FitSpec, save_models
 from difftransformer.repro.tasks import (
+    EXAMPLE_FEATURES,
     FEATURES_PER_CLASS,
+    ICL_EXAMPLE,
     IGNORE,
     MARK,
     QRY,
@@ -118,17 +120,21 @@ def test_attention_maps_are_the_maps_that_mix_the_values(attention):
 def test_icl_episode_labels_follow_classes():
     eps = icl_episodes(torch.Generator().manual_seed(0), 16, 4, 12)
     batch = icl_batch(eps)
+    width, nf = ICL_EXAMPLE, EXAMPLE_FEATURES
     for i in range(16):
         feats = eps.demo_features[i]
         for j in range(12):
             c = int(eps.demo_classes[i, j])
-            assert batch.tokens[i, 3 * j + 2] == eps.label_tokens[i, c] == batch.targets[i, 3 * j + 1]
-            # the two features are distinct and no other demonstration of another class shares them
-            assert feats[j, 0] != feats[j, 1]
+            label = batch.tokens[i, width * j + nf]
+            assert label == eps.label_tokens[i, c] == batch.targets[i, width * j + nf - 1]
+            assert torch.equal(batch.tokens[i, width * j : width * j + nf], feats[j])
+            # a demonstration's features are its class's own: no demonstration of another class shares them
             others = feats[eps.demo_classes[i] != c].flatten().tolist()
-            assert set(feats[j].tolist()).isdisjoint(others)
+            assert set(feats[j].tolist()).isdisjoint(others) and len(set(feats[j].tolist())) == nf
         assert batch.answer[i] == eps.label_tokens[i, eps.query_class[i]] == batch.targets[i, -1]
-    assert batch.tokens.shape == (16, 3 * 12 + 2) and (batch.query_pos == 3 * 12 + 1).all()
+        assert torch.equal(batch.tokens[i, -nf:], eps.query_features[i])
+    assert batch.tokens.shape == (16, width * 12 + nf) and (batch.query_pos == width * 12 + nf - 1).all()
+    assert (batch.targets != IGNORE).sum() == 16 * 13  # every demonstration's label and the query's
     assert len(set(eps.label_tokens[0].tolist())) == 4 and FEATURES_PER_CLASS == 4
 
 

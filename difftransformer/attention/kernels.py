@@ -15,14 +15,14 @@ Scores and softmax are computed in float32 (float64 for float64 inputs).
 
 Three exact methods for differential attention, chosen by ``impl``:
 
-- ``sdpa`` (``auto`` on GPUs, and on CPU for half-heads under 64 and fewer than 512 queries): one fused
+- ``sdpa`` (``auto`` on GPUs, and on CPU for half-heads under 64 and fewer than 128 queries): one fused
   ``scaled_dot_product_attention`` call over the 2H half-heads. Fused kernels need equal query and value
   widths, so q and k are zero-padded from d to 2d (scores unchanged, scale passed explicitly) and each
   group's 2d-wide V serves both maps: twice the baseline's attention-core work, inside a fused kernel.
   Never materialises a (T, T) map.
 - ``plain``: materialises both (Tq, Tk) softmax maps of every head in float32; used for analysis
   (``need_weights``) and as the readable reference.
-- ``block`` (``auto`` on CPU for half-heads of 64 or more, or 512 queries or more): processes blocks of
+- ``block`` (``auto`` on CPU for half-heads of 64 or more, or 128 queries or more): processes blocks of
   64 query rows with full key rows, so both softmax normalisers are known before touching V and
   ``(P1 - lambda P2) @ V`` is applied once (PAPER.md section 4: the attention core does the baseline's
   arithmetic, with no 1.5x penalty of two online-softmax passes). Keys and values are read once per
@@ -47,12 +47,12 @@ MASK_VALUE = torch.finfo(torch.float32).min
 # fewer when one block's score tensor (B * 2H * rows * Tk float32 values) would exceed 8M values = 32 MiB.
 BLOCK_ROWS = 64
 BLOCK_ELEMENTS = 1 << 23
-# On CPU the block method beats the fused sdpa path (which does 2x the arithmetic) from half-head size 64 up,
-# and for smaller heads from 512 query rows; below both, its elementwise passes dominate and sdpa is faster
-# (training steps measured at d = 16, 32, 64 and T = 256 to 2048). It also saves less for backward: about 1.09x
-# the standard model's activations against 1.3x for the sdpa path (small preset, T = 256 to 2048).
+# On CPU the block method beats the fused sdpa path (which does 2x the arithmetic) from 128 query rows on, at every
+# head size: training steps of the small preset (half-heads of 16), batch 4, block/sdpa 0.85 at T = 256 and 0.76 at
+# T = 512; tiny preset at T = 256 0.91; at T = 64 the two tie (1.00 at d = 16, 1.04 at d = 8), so sdpa stays below.
+# The block method also saves less for backward: about 1.09x the standard model's activations against 1.3x.
 BLOCK_MIN_HEAD_DIM = 64
-BLOCK_MIN_ROWS = 512
+BLOCK_MIN_ROWS = 128
 # Without gradients and with at most this many query rows (decoding from a KV cache), ``auto`` computes full
 # rows directly: each group's keys and its 2d-wide values are read once per token for both maps.
 DECODE_ROWS = 16
@@ -120,25 +120,19 @@ class _BlockDiffAttention(torch.autograd.Function):
         qg = (q * scale).view(b, hkv, rep, 2, tq, d).transpose(2, 3).contiguous()  # (B, Hkv, 2, rep, Tq, d), scaled
         lam = lambda_full.to(softmax_dtype(q))
         out = v.new_empty(b, hkv, rep, tq, v.shape[-1])
-        lse = q.new_empty(b, hkv, 2, rep, tq, dtype=lam.dtype)
         for i0, i1, kend in _blocks(tq, tk, causal, block):
-            probs, empty = _block_scores(qg[..., i0:i1, :], k[:, :, :, :kend], causal, mask, i0, tk - tq)
-            lse_blk = torch.logsumexp(probs, dim=-1, keepdim=True)  # (B, Hkv, 2, rep, bq, 1)
-            if empty is not None:  # rows that may attend nothing: lse = inf makes their probabilities 0
-                lse_blk.masked_fill_(empty, float("inf"))
-            probs.sub_(lse_blk).exp_()
+            probs = _block_probs(qg[..., i0:i1, :], k[:, :, :, :kend], causal, mask, i0, tk - tq)
             diff = torch.addcmul(probs[:, :, 0], probs[:, :, 1], lam, value=-1)  # (B, Hkv, rep, bq, kend)
             out[:, :, :, i0:i1] = torch.matmul(diff.flatten(2, 3).to(v.dtype), v[:, :, :kend]).view_as(
                 out[:, :, :, i0:i1]
             )
-            lse[..., i0:i1] = lse_blk.squeeze(-1)
-        ctx.save_for_backward(qg, k, v, lam, lse, mask)
+        ctx.save_for_backward(qg, k, v, lam, mask)
         ctx.scale, ctx.causal, ctx.block, ctx.q_shape = scale, causal, block, q.shape
         return out.view(b, h, tq, v.shape[-1])
 
     @staticmethod
     def backward(ctx, grad_out):
-        qg, k, v, lam, lse, mask = ctx.saved_tensors
+        qg, k, v, lam, mask = ctx.saved_tensors
         b, hkv, _, rep, tq, d = qg.shape
         tk = k.shape[3]
         dout = grad_out.reshape(b, hkv, rep, tq, v.shape[-1])
@@ -149,8 +143,7 @@ class _BlockDiffAttention(torch.autograd.Function):
         dlam = torch.zeros((), dtype=acc, device=qg.device)
         for i0, i1, kend in _blocks(tq, tk, ctx.causal, ctx.block):
             q_blk = qg[..., i0:i1, :]
-            probs, _ = _block_scores(q_blk, k[:, :, :, :kend], ctx.causal, mask, i0, tk - tq)
-            probs.sub_(lse[..., i0:i1, None]).exp_()  # (B, Hkv, 2, rep, bq, kend)
+            probs = _block_probs(q_blk, k[:, :, :, :kend], ctx.causal, mask, i0, tk - tq)  # recomputed
             do = dout[:, :, :, i0:i1].flatten(2, 3)  # (B, Hkv, rep*bq, 2d)
             v_blk = v[:, :, :kend]
             diff = torch.addcmul(probs[:, :, 0], probs[:, :, 1], lam, value=-1).flatten(2, 3)
@@ -174,6 +167,17 @@ def _blocks(tq, tk, causal, block):
     for i0 in range(0, tq, block):
         i1 = min(tq, i0 + block)
         yield i0, i1, (min(tk, i1 + offset) if causal else tk)
+
+
+def _block_probs(q_blk, k_blk, causal, mask, i0, offset):
+    """Both maps' softmax rows of one block: (B, Hkv, 2, rep, bq, kend), zero rows where nothing may be attended.
+
+    One fused softmax per block (on CPU cheaper than log-sum-exp, subtract and exp as separate passes), so the
+    backward recomputes the rows from q and k alone, with nothing saved per row.
+    """
+    scores, empty = _block_scores(q_blk, k_blk, causal, mask, i0, offset)
+    probs = torch.softmax(scores, dim=-1)
+    return probs if empty is None else probs.masked_fill_(empty, 0.0)
 
 
 def _block_scores(q_blk, k_blk, causal, mask, i0, offset):
@@ -251,10 +255,7 @@ def _diff_decode(q, k, v, lambda_full, scale, causal, mask):
     hkv, tk = k.shape[1], k.shape[3]
     rep = h // hkv
     qg = (q * scale).view(b, hkv, rep, 2, tq, d).transpose(2, 3)  # (B, Hkv, 2, rep, Tq, d)
-    scores, empty = _block_scores(qg, k, causal, mask, 0, tk - tq)
-    probs = torch.softmax(scores, dim=-1)
-    if empty is not None:  # rows that may attend nothing get zeros, as on every other path
-        probs = probs.masked_fill(empty, 0.0)
+    probs = _block_probs(qg, k, causal, mask, 0, tk - tq)
     diff = torch.addcmul(probs[:, :, 0], probs[:, :, 1], lambda_full.to(probs.dtype), value=-1)  # (B, Hkv, rep, Tq, Tk)
     return torch.matmul(diff.flatten(2, 3).to(v.dtype), v).view(b, h, tq, v.shape[-1])
 

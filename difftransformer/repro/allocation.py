@@ -24,6 +24,7 @@ import torch
 from difftransformer.analysis import allocation, attention_maps
 from difftransformer.repro import needle, report
 from difftransformer.repro.fit import find_models, load_model, run_pairs, save_models, scaled_spec
+from difftransformer.repro.tasks import MARK
 
 TASK = "allocation"
 PAPER = {  # PAPER.md section 3: answer share by depth 0/25/50/75/100%; noise only as a range over depths
@@ -112,7 +113,7 @@ def run(
     }
     report.write_json(out / "results.json", result)
     _plot(result, out)
-    _plot_rows(found, seeds[0], spec.seq_len, out)
+    _plot_rows(result, found, spec.seq_len, out)
     (out / "section.md").write_text(markdown(result))
     return result
 
@@ -195,23 +196,30 @@ def _plot(result: dict, out: Path) -> None:
     plt.close(fig)
 
 
-def _plot_rows(found: dict, seed: int, seq_len: int, out: Path) -> None:
-    """The answering row of every last-layer head for one sequence (depth 50%), DIFF above, standard below."""
+def _plot_rows(result: dict, found: dict, seq_len: int, out: Path) -> None:
+    """For one sequence (depth 50%) of the first seed: the answering row of every head in the layer of each model's
+    best head, with the queried needle and the other needles marked."""
     plt = report.pyplot()
     n, r = needle.GRID_NEEDLES
     nb = needle.eval_set(n, r, seq_len, 1, 0.5)
-    fig, axes = plt.subplots(2, 1, figsize=(10, 4.5), sharex=True)
+    tokens = nb.tokens[0]
+    marks = (tokens[: seq_len - 3 * r] == MARK).nonzero().flatten().tolist()
     start = int(nb.needle_start[0])
+    seed = result["seeds"][0]
+    fig, axes = plt.subplots(2, 1, figsize=(10, 4.5), sharex=True)
     for ax, a in zip(axes, report.PAIR, strict=True):
-        maps = attention_maps(load_model(found[(a, seed)]), nb.tokens)[-1].mixed[0]  # (H, T, T)
-        rows = maps[:, int(nb.answer_pos[0])]
-        for h, row in enumerate(rows):
+        layer = next(e["best_head"][0] for e in result["evals"] if e["attention"] == a and e["seed"] == seed)
+        maps = attention_maps(load_model(found[(a, seed)]), nb.tokens)[layer].mixed[0]  # (H, T, T)
+        for h, row in enumerate(maps[:, int(nb.answer_pos[0])]):
             ax.plot(row.tolist(), lw=1, label=f"head {h}")
-        ax.axvspan(start - 0.5, start + 2.5, color="gold", alpha=0.4, label="answer needle")
+        for m in marks:
+            queried = m == start
+            ax.axvspan(m - 0.5, m + 2.5, color="gold" if queried else "0.85", alpha=0.5, lw=0,
+                       label="queried needle" if queried else None)  # fmt: skip
         ax.axhline(0, color="k", lw=0.5)
-        ax.set_title(f"{report.NAMES[a]} seed {seed}, last layer: the answering position's attention")
-    axes[0].legend(fontsize=6, ncol=4)
-    axes[1].set_xlabel("position")
+        ax.set_title(f"{report.NAMES[a]} seed {seed}, layer {layer}: the answering position's attention", fontsize=9)
+    axes[0].legend(fontsize=6, ncol=5)
+    axes[1].set_xlabel("position (grey: the other needles)")
     fig.tight_layout()
     fig.savefig(out / f"{TASK}_rows.png", dpi=110)
     plt.close(fig)

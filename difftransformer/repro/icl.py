@@ -17,6 +17,7 @@ import torch
 from difftransformer.repro import report
 from difftransformer.repro.fit import FitSpec, fit, model_from, scaled_spec, train_pairs
 from difftransformer.repro.tasks import (
+    EXAMPLE_FEATURES,
     FEATURES_PER_CLASS,
     ICL_EXAMPLE,
     ICLEpisodes,
@@ -28,12 +29,12 @@ from difftransformer.repro.tasks import (
 TASK = "icl"
 SCALES = {
     "cpu": FitSpec(
-        d_model=64, n_layers=4, n_heads=8, seq_len=64, steps=2000, batch_size=32, lr=3e-3, eval_every=250,
-        task=dict(classes=[2, 4, 8], shots=20, eval_shots=[1, 2, 4, 8, 16], order_shots=16, eval_size=512),
+        d_model=64, n_layers=4, n_heads=8, seq_len=64, steps=4000, batch_size=32, lr=3e-3, eval_every=250,
+        task=dict(classes=[2, 4, 8], shots=30, eval_shots=[1, 2, 4, 8, 16, 24], order_shots=24, eval_size=512),
     ),
     "gpu": FitSpec(
         d_model=256, n_layers=8, n_heads=16, seq_len=256, steps=20000, batch_size=64, lr=1e-3, eval_every=1000,
-        task=dict(classes=[2, 4, 8], shots=84, eval_shots=[1, 4, 16, 32, 64], order_shots=64, eval_size=2048),
+        task=dict(classes=[2, 4, 8], shots=120, eval_shots=[1, 4, 16, 64, 120], order_shots=96, eval_size=2048),
     ),
 }  # fmt: skip
 ARRANGEMENTS = ("random", "grouped", "alternating")
@@ -71,7 +72,7 @@ def curve_score(model, shots: int, size: int) -> float:
 
 def train_job(attention: str, seed: int, spec: FitSpec) -> dict:
     opts = spec.task
-    if ICL_EXAMPLE * opts["shots"] + 2 > spec.seq_len:
+    if ICL_EXAMPLE * opts["shots"] + EXAMPLE_FEATURES > spec.seq_len:
         raise ValueError(f"{opts['shots']} demonstrations do not fit a context of {spec.seq_len}")
     run = fit(
         attention,
@@ -133,8 +134,8 @@ def markdown(result: dict) -> str:
         "## In-context learning",
         "",
         "Synthetic many-shot classification: per episode, C classes each own "
-        f"{FEATURES_PER_CLASS} random feature tokens and a random label token; an example is two of its class's "
-        f"features and its label. Trained with {opts['shots']} "
+        f"{FEATURES_PER_CLASS} random feature tokens and a random label token; an example is {EXAMPLE_FEATURES} of its "
+        f"class's features and its label. Trained with {opts['shots']} "
         f"demonstrations in random order, C drawn from {opts['classes']}, {spec['steps']} steps of batch "
         f"{spec['batch_size']} (d_model {spec['d_model']}, {spec['n_layers']} layers, DIFF {spec['n_heads'] // 2} "
         f"heads vs standard {spec['n_heads']}), seeds {result['seeds']}; {opts['eval_size']} query episodes per "

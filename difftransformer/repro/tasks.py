@@ -10,8 +10,8 @@ distinct needles. The model reads ``QRY key`` and must produce that needle's val
 
 In-context classification: each episode draws C classes, gives each class FEATURES_PER_CLASS of its own feature
 tokens and its own label token (both drawn afresh per episode, so only the demonstrations tell them); an example is
-two feature tokens of its class followed by its label. The model sees k demonstrations and a query example and must
-produce the query's label: it has to find demonstrations that share the query's features.
+EXAMPLE_FEATURES feature tokens of its class followed by its label. The model sees k demonstrations and a query
+example and must produce the query's label: it has to find demonstrations that share the query's features.
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ ICL_FEATURES = 48
 ICL_LABELS = 48
 MAX_CLASSES = 8
 FEATURES_PER_CLASS = 4
-ICL_EXAMPLE = 3  # two feature tokens and the label
+EXAMPLE_FEATURES = 1  # feature tokens per example (2 gave no signal within the CPU budget: experiments/LOG.md)
+ICL_EXAMPLE = EXAMPLE_FEATURES + 1  # the features and the label
 
 
 @dataclass
@@ -104,7 +105,7 @@ def _needle_slots(gen: torch.Generator, hay: int, n: int, depth: float | None) -
 
 @dataclass
 class ICLBatch:
-    tokens: torch.Tensor  # (B, 3k + 2): k demonstrations, then the query's two features
+    tokens: torch.Tensor  # (B, ICL_EXAMPLE * k + EXAMPLE_FEATURES): k demonstrations, then the query's features
     targets: torch.Tensor  # (B, 3k + 2): every demonstration's label and the query's label, IGNORE elsewhere
     query_pos: torch.Tensor  # (B,) the position whose next token is the query's label (the last position)
     answer: torch.Tensor  # (B,) the query's label token
@@ -114,9 +115,9 @@ class ICLBatch:
 class ICLEpisodes:
     """Episodes before ordering: features and labels of the demonstrations and the query, per episode."""
 
-    demo_features: torch.Tensor  # (B, k, 2)
+    demo_features: torch.Tensor  # (B, k, EXAMPLE_FEATURES)
     demo_classes: torch.Tensor  # (B, k)
-    query_features: torch.Tensor  # (B, 2)
+    query_features: torch.Tensor  # (B, EXAMPLE_FEATURES)
     query_class: torch.Tensor  # (B,)
     label_tokens: torch.Tensor  # (B, C): the label token of each class
     n_classes: int
@@ -148,9 +149,9 @@ def icl_episodes(gen: torch.Generator, batch: int, n_classes: int, shots: int, b
 
 
 def _examples(gen: torch.Generator, features: torch.Tensor, classes: torch.Tensor) -> torch.Tensor:
-    """Two distinct feature tokens of each example's class: (B, n) classes -> (B, n, 2) tokens."""
+    """Distinct feature tokens of each example's class: (B, n) classes -> (B, n, EXAMPLE_FEATURES) tokens."""
     b, n = classes.shape
-    pick = torch.rand(b, n, FEATURES_PER_CLASS, generator=gen).argsort(-1)[..., :2]  # two distinct slots
+    pick = torch.rand(b, n, FEATURES_PER_CLASS, generator=gen).argsort(-1)[..., :EXAMPLE_FEATURES]  # distinct
     own = features[torch.arange(b)[:, None], classes]  # (B, n, FEATURES_PER_CLASS)
     return own.gather(-1, pick)
 
@@ -160,14 +161,14 @@ def icl_batch(episodes: ICLEpisodes, order: torch.Tensor | None = None) -> ICLBa
     b, k = episodes.demo_classes.shape
     if order is None:
         order = torch.arange(k).expand(b, k)
-    feats = episodes.demo_features.gather(1, order[..., None].expand(b, k, 2))
+    feats = episodes.demo_features.gather(1, order[..., None].expand(b, k, EXAMPLE_FEATURES))
     classes = episodes.demo_classes.gather(1, order)
     demo_labels = episodes.label_tokens.gather(1, classes)  # (B, k)
     answer = episodes.label_tokens.gather(1, episodes.query_class[:, None])[:, 0]
     demos = torch.cat((feats, demo_labels[..., None]), dim=-1).view(b, ICL_EXAMPLE * k)
     tokens = torch.cat((demos, episodes.query_features), dim=1)
     targets = torch.full_like(tokens, IGNORE)
-    label_pos = torch.arange(k) * ICL_EXAMPLE + 1  # the second feature of each demonstration predicts its label
+    label_pos = torch.arange(k) * ICL_EXAMPLE + EXAMPLE_FEATURES - 1  # a demonstration's last feature: its label
     targets[:, label_pos] = demo_labels
     targets[:, -1] = answer
     return ICLBatch(tokens, targets, torch.full((b,), tokens.shape[1] - 1), answer)
