@@ -9,7 +9,6 @@ set against steps and against seconds, since a DIFF step costs more than a stand
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
@@ -136,10 +135,6 @@ def run_pairs(job: Callable[[str, int], dict], seeds: list[int], workers: int) -
         return [job(a, s) for a, s in tasks]
     with ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn")) as pool:
         return list(pool.map(job, *zip(*tasks, strict=True)))
-
-
-def default_workers() -> int:
-    return max(1, min(2, os.cpu_count() or 1))
 
 
 def save_models(runs: list[dict], out: Path, task: str) -> None:
