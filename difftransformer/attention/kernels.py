@@ -150,9 +150,10 @@ class _BlockDiffAttention(torch.autograd.Function):
             dv[:, :, :kend] += torch.matmul(diff.transpose(-1, -2).to(do.dtype), do).to(acc)
             dpv = torch.matmul(do, v_blk.transpose(-1, -2)).to(acc).view(probs[:, :, 0].shape)
             # map 1 receives dpv and map 2 receives -lambda * dpv; softmax backward of each map:
-            rowdot = (probs * dpv[:, :, None]).sum(-1, keepdim=True)  # (B, Hkv, 2, rep, bq, 1)
+            dscores = probs * dpv[:, :, None]  # P_c dP, then minus P_c rowsum(P_c dP), in place
+            rowdot = dscores.sum(-1, keepdim=True)  # (B, Hkv, 2, rep, bq, 1)
             dlam -= rowdot[:, :, 1].sum()
-            dscores = probs.mul_(dpv[:, :, None].sub(rowdot))
+            dscores.addcmul_(probs, rowdot, value=-1)
             dscores[:, :, 1].mul_(-lam)
             ds = dscores.flatten(3, 4).to(qg.dtype)  # (B, Hkv, 2, rep*bq, kend)
             dq[..., i0:i1, :] = torch.matmul(ds, k[:, :, :, :kend]).to(acc).view_as(q_blk) * ctx.scale

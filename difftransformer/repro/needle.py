@@ -160,7 +160,7 @@ def _values(result: dict, attention: str, get) -> list[float]:
 
 def _plots(result: dict, out: Path) -> None:
     plt = report.pyplot()
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.4), layout="constrained")
     lengths = result["spec"]["task"]["lengths"]
     for ax, a in zip(axes, report.PAIR, strict=True):
         grid = report.mean_grid([e["depth_length"] for e in result["evals"] if e["attention"] == a])
