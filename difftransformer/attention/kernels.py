@@ -13,7 +13,7 @@ positions, as when decoding from a cache). ``mask`` is an optional boolean tenso
 position) gets an all-zero row and output, never NaN, as PyTorch's SDPA does with a boolean mask.
 Scores and softmax are computed in float32 (float64 for float64 inputs).
 
-Three exact methods for differential attention, chosen by ``impl``:
+Exact methods for differential attention, chosen by ``impl``:
 
 - ``sdpa`` (``auto`` on GPUs, and on CPU for half-heads under 64 and fewer than 128 queries): one fused
   ``scaled_dot_product_attention`` call over the 2H half-heads. Fused kernels need equal query and value
@@ -26,9 +26,8 @@ Three exact methods for differential attention, chosen by ``impl``:
   64 query rows with full key rows, so both softmax normalisers are known before touching V and
   ``(P1 - lambda P2) @ V`` is applied once (PAPER.md section 4: the attention core does the baseline's
   arithmetic, with no 1.5x penalty of two online-softmax passes). Keys and values are read once per
-  group, not repeated for GQA. A custom backward recomputes each block from the saved log-sum-exp, so
+  group, not repeated for GQA. A custom backward recomputes each block's softmax rows from q and k, so
   training never holds the whole (T, T) maps either.
-
 - ``triton`` (opt-in, CUDA, ``pip install 'difftransformer[triton]'``): forward and backward Triton kernels that
   read K and V once for both maps (``triton_diff.py``). Inputs the kernels do not handle (a boolean mask,
   other head sizes or dtypes) take the ``auto`` path. Not chosen by ``auto``: no measurement on a GPU shows it
