@@ -270,7 +270,7 @@ class TritonDiffAttention(torch.autograd.Function):
             CAUSAL=causal, D=d, BLOCK_M=block_m, BLOCK_N=block_n, PREC=prec,
         )  # fmt: skip
         ctx.save_for_backward(q, k, v, lam, out, o2, lse)
-        ctx.scale, ctx.causal = scale, causal
+        ctx.scale, ctx.causal, ctx.tiles = scale, causal, (block_m, block_n, prec)
         ctx.lambda_meta = (lambda_full.dtype, lambda_full.shape)
         return out
 
@@ -288,15 +288,14 @@ class TritonDiffAttention(torch.autograd.Function):
         dq = torch.empty_like(q, memory_format=torch.contiguous_format)
         dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
         dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-        block_m, block_n = _blocks(d, _interpreting())
-        prec = "ieee" if q.dtype == torch.float32 else "tf32"
-        common = (*_strides(q, k, v),)
+        block_m, block_n, prec = ctx.tiles  # as in the forward
+        strides = _strides(q, k, v)
         _bwd_dkdv_kernel[(triton.cdiv(tk, block_n), b * hkv)](
-            q, k, v, lam, do, lse, delta, dk, dv, *common, h, hkv, h // hkv, tq, tk, ctx.scale * LOG2E,
+            q, k, v, lam, do, lse, delta, dk, dv, *strides, h, hkv, h // hkv, tq, tk, ctx.scale * LOG2E,
             CAUSAL=ctx.causal, D=d, BLOCK_M=block_m, BLOCK_N=block_n, PREC=prec,
         )  # fmt: skip
         _bwd_dq_kernel[(triton.cdiv(tq, block_m), b * h)](
-            q, k, v, lam, do, lse, delta, dq, *common, h, h // hkv, tq, tk, ctx.scale * LOG2E,
+            q, k, v, lam, do, lse, delta, dq, *strides, h, h // hkv, tq, tk, ctx.scale * LOG2E,
             CAUSAL=ctx.causal, D=d, BLOCK_M=block_m, BLOCK_N=block_n, PREC=prec,
         )  # fmt: skip
         dtype, shape = ctx.lambda_meta
