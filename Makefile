@@ -4,7 +4,14 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint format clean
+# Other transformers versions for the interop tests, each in its own .venv-tf<version> (pinned in tests/interop).
+INTEROP_VERSIONS := 4.48 4.57
+INTEROP_STAMPS := $(foreach v,$(INTEROP_VERSIONS),.venv-tf$(v)/.installed)
+comma := ,
+space := $(eval) $(eval)
+INTEROP_PYTHONS := $(subst $(space),$(comma),$(strip $(foreach v,$(INTEROP_VERSIONS),$(CURDIR)/.venv-tf$(v)/bin/python)))
+
+.PHONY: demo test test-interop lint format clean
 
 $(STAMP): requirements-dev.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -19,6 +26,15 @@ demo: $(STAMP)
 test: $(STAMP) lint
 	$(BIN)/python -m pytest -q
 
+.venv-tf%/.installed: tests/interop/requirements-%.txt
+	test -x .venv-tf$*/bin/python || $(PYTHON) -m venv .venv-tf$*
+	.venv-tf$*/bin/python -m pip install --quiet -r $<
+	touch $@
+
+# exports and imports checked in every pair of (writer, reader) among transformers 4.48, 4.57 and the pinned 5.x
+test-interop: $(STAMP) $(INTEROP_STAMPS)
+	DIFFTX_INTEROP_PYTHONS=$(INTEROP_PYTHONS) DIFFTX_REQUIRE_INTEROP=1 $(BIN)/python -m pytest -q tests/test_interop.py
+
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
@@ -28,4 +44,4 @@ format: $(STAMP)
 	$(BIN)/ruff format .
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) .venv-tf* build *.egg-info .pytest_cache .ruff_cache

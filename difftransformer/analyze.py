@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from difftransformer.analysis import attention_maps
+from difftransformer.errors import InputError
 
 MAX_LABELLED = 48  # positions up to which the axes are labelled with the tokens
 
@@ -25,9 +26,9 @@ def read_prompt(path: str | Path) -> str:
     try:
         text = path.read_bytes().decode("utf-8")
     except UnicodeDecodeError as err:
-        raise ValueError(f"prompt file {path} is not valid UTF-8 (byte {err.start}): save it as UTF-8") from None
+        raise InputError(f"prompt file {path} is not valid UTF-8 (byte {err.start}): save it as UTF-8") from None
     if not text.strip():
-        raise ValueError(f"prompt file {path} is empty")
+        raise InputError(f"prompt file {path} is empty")
     return text
 
 
@@ -42,7 +43,7 @@ def load_prompt(run: str | Path, prompt_file: str | Path) -> tuple[torch.nn.Modu
         try:
             ids = [int(t) for t in text.split()]
         except ValueError:
-            raise ValueError(f"{prompt_file}: a repro model's prompt is whitespace-separated token ids") from None
+            raise InputError(f"{prompt_file}: a repro model's prompt is whitespace-separated token ids") from None
         labels = [str(i) for i in ids]
     else:
         from difftransformer.runs import load_run
@@ -51,7 +52,7 @@ def load_prompt(run: str | Path, prompt_file: str | Path) -> tuple[torch.nn.Modu
         ids = tokenizer.encode(text)
         labels = [tokenizer.decode([i]) for i in ids]
     if len(ids) > model.config.max_seq_len:
-        raise ValueError(
+        raise InputError(
             f"the prompt is {len(ids)} tokens, longer than the model's context of {model.config.max_seq_len}: "
             "shorten it"
         )
@@ -63,11 +64,11 @@ def analyze_attention(run: str | Path, prompt_file: str | Path, out: str | Path,
     if out.exists():
         raise FileExistsError(f"{out} already exists; choose another --out or remove it")
     if out.suffix.lower() != ".png":
-        raise ValueError(f"--out must name a .png file, got {out}")
+        raise InputError(f"--out must name a .png file, got {out}")
     model, tokens, labels = load_prompt(run, prompt_file)
     n_layers = len(model.layers)
     if not -n_layers <= layer < n_layers:
-        raise ValueError(f"--layer {layer} is out of range: the model has {n_layers} layers")
+        raise InputError(f"--layer {layer} is out of range: the model has {n_layers} layers")
     maps = attention_maps(model, tokens, both=True)[layer]
     figure = _figure(maps, labels, layer % n_layers, model.config.attention)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}.png")

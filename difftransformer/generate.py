@@ -8,11 +8,33 @@ of each prompt starting at 0.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
 from difftransformer.cache import KVCache
+from difftransformer.errors import Fields, InputError
 from difftransformer.model import TransformerLM
+
+
+@dataclass
+class SamplingConfig:
+    """How tokens are drawn: greedy at temperature 0; otherwise softmax(logits / temperature) restricted to the
+    ``top_k`` most likely tokens and to the smallest set whose probability reaches ``top_p``."""
+
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        check = Fields(self)
+        check.integer("max_new_tokens", 1, 1 << 22)
+        check.number("temperature", 0, 100, hint=" (0 for greedy decoding)")
+        check.integer("top_k", 1, optional=True)
+        check.number("top_p", 0, 1, low_open=True, optional=True)
+        check.integer("seed", 0, (1 << 63) - 1, optional=True)
 
 
 def sample_next(
@@ -67,19 +89,18 @@ def generate(
     streaming. A prompt that does not fit the context with ``max_new_tokens`` raises, unless ``truncate=True``,
     which keeps the prompt's last tokens.
     """
+    SamplingConfig(max_new_tokens, temperature, top_k, top_p, seed)
     prompts, batched = _as_prompts(prompt_tokens)
     limit = model.config.max_seq_len
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
     if stop_strings and tokenizer is None:
-        raise ValueError("stop_strings needs the tokenizer to decode the generated text")
+        raise InputError("stop_strings needs the tokenizer to decode the generated text")
     room = limit - max_new_tokens
     for i, p in enumerate(prompts):
         if not p:
-            raise ValueError(f"prompt {i} is empty; give at least one token")
+            raise InputError(f"prompt {i} is empty; give at least one token")
         if len(p) > room:
             if not truncate or room < 1:
-                raise ValueError(
+                raise InputError(
                     f"prompt {i} has {len(p)} tokens; with {max_new_tokens} new tokens it exceeds the model's context "
                     f"of {limit}. Shorten the prompt, ask for fewer tokens, or pass truncate=True (--truncate) to keep "
                     f"its last {max(room, 0)} tokens"

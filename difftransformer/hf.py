@@ -15,8 +15,11 @@ import math
 
 import torch
 
+from difftransformer.attention.diff import own_layout
 from difftransformer.config import ModelConfig
+from difftransformer.errors import InputError
 from difftransformer.model import TransformerLM
+from difftransformer.rotary import ROPE_SCALINGS, rope_scaling_problem
 
 
 def _transformers():
@@ -69,29 +72,72 @@ def _same_weights(n_layers: int, include_out_proj: bool):
             yield ours + "attn.out_proj.weight", theirs + "self_attn.o_proj.weight"
 
 
-def _rope_kwargs(theta: float) -> dict:
-    if int(_transformers().__version__.split(".")[0]) >= 5:
-        return {"rope_parameters": {"rope_type": "default", "rope_theta": theta}}
-    return {"rope_theta": theta}
+def _major() -> int:
+    return int(_transformers().__version__.split(".")[0])
 
 
-def _rope_theta(hf_config) -> float:
-    params = getattr(hf_config, "rope_parameters", None) or {}
-    scaling = getattr(hf_config, "rope_scaling", None) or {}
-    rope_type = params.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
-    if rope_type != "default":
-        raise ValueError(f"rotary scaling {rope_type!r} is not supported; only the default rotary embedding is")
-    return float(params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))
+def rope_entries(theta: float, scaling: dict | None) -> dict:
+    """The rotary settings in both of transformers' spellings: ``rope_theta`` and ``rope_scaling`` (4.x) and
+    ``rope_parameters`` (5.x). A config.json that holds both loads the same in every version (5.x reads the 4.x
+    keys first, 4.x ignores ``rope_parameters``)."""
+    rope_type = "default" if scaling is None else scaling["rope_type"]
+    return {
+        "rope_theta": theta,
+        "rope_scaling": None if scaling is None else dict(scaling),
+        "rope_parameters": {**(scaling or {}), "rope_type": rope_type, "rope_theta": theta},
+    }
 
 
-def to_hf(model: TransformerLM):
-    """A ``DiffLlamaForCausalLM`` (attention="diff") or ``LlamaForCausalLM`` (attention="standard") with our weights."""
+def _rope_kwargs(theta: float, scaling: dict | None) -> dict:
+    """Config arguments for the installed transformers."""
+    entries = rope_entries(theta, scaling)
+    if _major() >= 5:
+        return {"rope_parameters": entries["rope_parameters"]}
+    return {"rope_theta": theta, "rope_scaling": entries["rope_scaling"]}
+
+
+def _rope_of(hf_config) -> tuple[float, dict | None]:
+    """(rope_theta, rope_scaling) of a Llama-family config from any transformers version; scalings other than
+    linear and llama3 are refused."""
+    params = getattr(hf_config, "rope_parameters", None)
+    if not params:  # transformers 4.x
+        params = {**(getattr(hf_config, "rope_scaling", None) or {}), "rope_theta": hf_config.rope_theta}
+    params = dict(params)
+    rope_type = params.pop("rope_type", params.pop("type", "default"))
+    theta = float(params.pop("rope_theta", 10000.0))
+    params.pop("type", None)
+    if rope_type == "default":
+        return theta, None
+    if rope_type not in ROPE_SCALINGS:
+        raise InputError(
+            f"rotary scaling {rope_type!r} is not supported; supported: default, {', '.join(ROPE_SCALINGS)}"
+        )
+    if params.get("attention_factor", 1.0) != 1.0:
+        raise InputError(
+            f"rotary scaling {rope_type!r} with attention_factor {params['attention_factor']} is not supported"
+        )
+    scaling = {"rope_type": rope_type, **{key: params.get(key) for key in ROPE_SCALINGS[rope_type]}}
+    if (problem := rope_scaling_problem(scaling)) is not None:
+        raise InputError(f"rope scaling of the Hugging Face config {problem}")
+    return theta, scaling
+
+
+def to_hf(
+    model: TransformerLM,
+    eos_token_id: int | list[int] | None = None,
+    bos_token_id: int | None = None,
+    pad_token_id: int | None = None,
+):
+    """A ``DiffLlamaForCausalLM`` (attention="diff") or ``LlamaForCausalLM`` (attention="standard") with our weights.
+
+    The token ids go into the config (and so into the generation config): ``generate()`` stops at ``eos_token_id``
+    (a list for several end tokens). None leaves them unset."""
     tf = _transformers()
     cfg = model.config
     if cfg.attention == "diff_v2":
-        raise ValueError("attention='diff_v2' has no Hugging Face architecture; convert a 'diff' or 'standard' model")
+        raise InputError("attention='diff_v2' has no Hugging Face architecture; convert a 'diff' or 'standard' model")
     if cfg.rope_theta is None:
-        raise ValueError("Hugging Face Llama models always use rotary embedding; this model has rope_theta=None")
+        raise InputError("Hugging Face Llama models always use rotary embedding; this model has rope_theta=None")
     d = cfg.head_dim
     common = dict(
         vocab_size=cfg.vocab_size,
@@ -107,7 +153,10 @@ def to_hf(model: TransformerLM):
         initializer_range=cfg.init_std,
         hidden_act="silu",
         attention_bias=False,
-        **_rope_kwargs(cfg.rope_theta),
+        bos_token_id=bos_token_id,
+        eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id,
+        **_rope_kwargs(cfg.rope_theta, cfg.rope_scaling),
     )
     diff = cfg.attention == "diff"
     hf_cls = tf.DiffLlamaForCausalLM if diff else tf.LlamaForCausalLM
@@ -139,16 +188,17 @@ def from_hf(hf_model) -> TransformerLM:
     hc = hf_model.config
     arch = type(hf_model).__name__
     if arch not in ("DiffLlamaForCausalLM", "LlamaForCausalLM"):
-        raise ValueError(f"cannot convert {arch}; from_hf takes DiffLlamaForCausalLM or LlamaForCausalLM")
+        raise InputError(f"cannot convert {arch}; from_hf takes DiffLlamaForCausalLM or LlamaForCausalLM")
     d = getattr(hc, "head_dim", None) or hc.hidden_size // hc.num_attention_heads
     if d * hc.num_attention_heads != hc.hidden_size:
-        raise ValueError(
+        raise InputError(
             f"head_dim {d} * num_attention_heads {hc.num_attention_heads} != hidden_size {hc.hidden_size}: "
             "TransformerLM needs head size = d_model / n_heads"
         )
     if hc.hidden_act != "silu" or getattr(hc, "attention_bias", False) or getattr(hc, "mlp_bias", False):
-        raise ValueError("only SiLU-gated MLPs without biases can be converted (hidden_act='silu', no biases)")
+        raise InputError("only SiLU-gated MLPs without biases can be converted (hidden_act='silu', no biases)")
     diff = arch == "DiffLlamaForCausalLM"
+    theta, scaling = _rope_of(hc)
     cfg = ModelConfig(
         vocab_size=hc.vocab_size,
         d_model=hc.hidden_size,
@@ -157,7 +207,8 @@ def from_hf(hf_model) -> TransformerLM:
         n_kv_heads=hc.num_key_value_heads,
         ffn_dim=hc.intermediate_size,
         max_seq_len=hc.max_position_embeddings,
-        rope_theta=_rope_theta(hc),
+        rope_theta=theta,
+        rope_scaling=scaling,
         norm_eps=hc.rms_norm_eps,
         attention="diff" if diff else "standard",
         tie_embeddings=bool(getattr(hc, "tie_word_embeddings", False)),
@@ -181,7 +232,8 @@ def from_hf(hf_model) -> TransformerLM:
             sd[q + "attn.q_proj.weight"] = _heads_from_hf(src[p + "self_attn.q_proj.weight"], a.num_heads, d)
             sd[q + "attn.k_proj.weight"] = _heads_from_hf(src[p + "self_attn.k_proj.weight"], a.num_kv_heads, d)
             sd[q + "attn.v_proj.weight"] = src[p + "self_attn.v_proj.weight"]
-    model.load_state_dict(sd, strict=True)
+    with own_layout():  # DiffLlama's head pairing is known (module docstring)
+        model.load_state_dict(sd, strict=True)
     return model.eval()
 
 
@@ -200,7 +252,7 @@ def diff_from_standard(base: TransformerLM, lambda_start: float = -1.0) -> Trans
     """
     cfg = base.config
     if cfg.attention != "standard" or cfg.n_heads % 2 or cfg.n_kv_heads % 2:
-        raise ValueError(
+        raise InputError(
             "diff_from_standard takes a standard model with even numbers of query and key/value heads, got "
             f"{cfg.attention} with {cfg.n_heads} and {cfg.n_kv_heads}"
         )
@@ -221,7 +273,8 @@ def diff_from_standard(base: TransformerLM, lambda_start: float = -1.0) -> Trans
         for name, value in (("lambda_q1", small), ("lambda_k1", small), ("lambda_q2", second), ("lambda_k2", second)):
             sd[p + name] = torch.full((d,), value)
         sd[p + "subln.weight"] = torch.full((2 * d,), 1.0 / (1.0 - lambda_init))
-    diff.load_state_dict(sd, strict=True)
+    with own_layout():
+        diff.load_state_dict(sd, strict=True)
     return diff.eval()
 
 

@@ -22,6 +22,7 @@ from difftransformer.attention import ATTENTION, MultiheadDiffAttn
 from difftransformer.attention.common import rotary_of
 from difftransformer.cache import KVCache
 from difftransformer.config import ModelConfig
+from difftransformer.errors import InputError
 from difftransformer.layers import RMSNorm, SwiGLU
 
 
@@ -116,10 +117,10 @@ class TransformerLM(nn.Module):
 
     def _check_tokens(self, tokens: torch.Tensor, cached: int) -> None:
         if tokens.dim() != 2 or tokens.dtype not in (torch.int64, torch.int32):
-            raise ValueError(f"tokens must be a (batch, seq) integer tensor, got {tuple(tokens.shape)} {tokens.dtype}")
+            raise InputError(f"tokens must be a (batch, seq) integer tensor, got {tuple(tokens.shape)} {tokens.dtype}")
         t = tokens.shape[1] + cached
         if t > self.config.max_seq_len:
-            raise ValueError(
+            raise InputError(
                 f"sequence of {t} tokens is longer than the model's context max_seq_len={self.config.max_seq_len}; "
                 "shorten the input or build the model with a larger max_seq_len"
             )
@@ -129,7 +130,7 @@ class TransformerLM(nn.Module):
             and tokens.numel()
             and (tokens.min() < 0 or tokens.max() >= self.config.vocab_size)
         ):
-            raise ValueError(
+            raise InputError(
                 f"token ids must lie in [0, {self.config.vocab_size}), got min {int(tokens.min())} and max "
                 f"{int(tokens.max())}: the data and the model use different vocabularies"
             )

@@ -1,17 +1,90 @@
-"""Loading a trained model from a run directory (written by `difftx train`)."""
+"""Run directories: their layout, a lock against two trainers in one run, and loading a trained model.
+
+A run directory is self-contained and can be copied or moved: it holds the model config, the training config
+(with the data directory as an absolute path, checked at resume), the tokenizer, the metrics and the
+checkpoints. Nothing in it names the directory itself, so a copy resumes into the copy.
+"""
 
 from __future__ import annotations
 
+import fcntl
+import os
 from pathlib import Path
 
 import torch
 
-from difftransformer.checkpoint import list_checkpoints, load_model_tensors
+from difftransformer.attention.diff import own_layout
+from difftransformer.checkpoint import list_checkpoints, load_model_tensors, save_checkpoint
 from difftransformer.config import ModelConfig
+from difftransformer.errors import InputError
+from difftransformer.fsutil import write_new_dir
 from difftransformer.model import TransformerLM
 from difftransformer.tokenizer import Tokenizer, load_tokenizer
 
 MODEL_CONFIG = "model_config.json"
+TRAIN_CONFIG = "train_config.json"
+METRICS = "metrics.jsonl"
+LOCK = ".lock"
+
+
+class RunLock:
+    """An exclusive lock on a run directory while a trainer writes into it (released when the process ends)."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.path = run_dir / LOCK
+        self._file = open(self.path, "a+")
+        try:
+            fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._file.seek(0)
+            holder = self._file.read().strip() or "unknown"
+            self._file.close()
+            raise InputError(
+                f"run {run_dir} is being written by another process (pid {holder}); wait for it to finish or stop it"
+            ) from None
+        self._file.seek(0)
+        self._file.truncate()
+        self._file.write(str(os.getpid()))
+        self._file.flush()
+
+    def release(self) -> None:
+        if not self._file.closed:
+            fcntl.flock(self._file, fcntl.LOCK_UN)
+            self._file.close()
+
+
+def is_unstarted_run(path: Path) -> bool:
+    """A run directory that a trainer created but that holds no checkpoint yet (it stopped before its first)."""
+    return (path / TRAIN_CONFIG).is_file() and not list_checkpoints(path)
+
+
+def check_weights(model: torch.nn.Module, tensors: dict[str, torch.Tensor], source: str, config: str) -> None:
+    """Refuse weights whose names or shapes differ from the model's, naming the first difference."""
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    for name, shape in expected.items():
+        if name not in tensors:
+            raise InputError(f"{source} does not match {config}: it has no {name}")
+        if tuple(tensors[name].shape) != shape:
+            raise InputError(
+                f"{source} does not match {config}: {name} has shape {tuple(tensors[name].shape)}, the config needs "
+                f"{shape}"
+            )
+    extra = sorted(set(tensors) - set(expected))
+    if extra:
+        raise InputError(f"{source} does not match {config}: unexpected {extra[0]}")
+
+
+def save_run(model: TransformerLM, tokenizer: Tokenizer, out_dir: str | Path, meta: dict) -> Path:
+    """A new run directory holding ``model`` (a step-0 checkpoint, no optimizer state) and ``tokenizer``."""
+
+    def write(tmp: Path) -> None:
+        model.config.to_json(tmp / MODEL_CONFIG)
+        tokenizer.save(tmp)
+        meta_all = {**meta, "model_config": model.config.to_dict()}
+        save_checkpoint(tmp, 0, model.state_dict(), {"state": {}, "param_groups": []}, meta_all, keep_last=1)
+
+    write_new_dir(out_dir, "output directory", write)
+    return Path(out_dir)
 
 
 def load_run(run_dir: str | Path, device: str | torch.device = "cpu") -> tuple[TransformerLM, Tokenizer]:
@@ -28,24 +101,9 @@ def load_run(run_dir: str | Path, device: str | torch.device = "cpu") -> tuple[T
     tensors = load_model_tensors(checkpoints[-1])
     with torch.device("meta"):
         model = TransformerLM(config)
-    try:
+    check_weights(model, tensors, str(checkpoints[-1] / "model.safetensors"), str(run / MODEL_CONFIG))
+    with own_layout():
         model.load_state_dict(tensors, strict=True, assign=True)
-    except RuntimeError as err:
-        raise ValueError(
-            f"{checkpoints[-1] / 'model.safetensors'} does not match {run / MODEL_CONFIG}: {str(err).splitlines()[0]}"
-            f" ... ({_first_mismatch(model, tensors)})"
-        ) from None
     if config.tie_embeddings:
         model.lm_head.weight = model.embed.weight
     return model.to(device).eval(), load_tokenizer(run)
-
-
-def _first_mismatch(model: TransformerLM, tensors: dict[str, torch.Tensor]) -> str:
-    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    for name, shape in expected.items():
-        if name not in tensors:
-            return f"missing {name}"
-        if tuple(tensors[name].shape) != shape:
-            return f"{name} has shape {tuple(tensors[name].shape)}, the config needs {shape}"
-    extra = sorted(set(tensors) - set(expected))
-    return f"unexpected {extra[0]}" if extra else "dtype mismatch"

@@ -3,6 +3,12 @@
 Every tokenizer has an end-of-text token appended after each document, saves itself into a directory (so it
 travels with the data and the run) and knows how many UTF-8 bytes each token stands for (for bits per byte).
 Nothing is fetched from a hub.
+
+Documents are encoded with special tokens read as plain text (a literal ``<|endoftext|>`` in a document is text,
+not a document boundary). Prompts are encoded as the tokenizer's own template says (``encode_prompt``: a
+Llama tokenizer prepends its begin-of-text token, as ``transformers`` does). A tokenizer imported with a model
+keeps the model's special tokens: its end-of-text token (the first of the model's end tokens), the others as
+extra stop tokens, and its begin-of-text token.
 """
 
 from __future__ import annotations
@@ -13,6 +19,9 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
+
+from difftransformer.errors import ConfigError, InputError
+from difftransformer.fsutil import read_json_object
 
 EOT = "<|endoftext|>"
 SPEC_FILE = "tokenizer_spec.json"
@@ -27,9 +36,13 @@ class ByteTokenizer:
     def __init__(self) -> None:
         self.vocab_size = 257
         self.eot_id = 256
+        self.bos_id = None
+        self.stop_ids = [self.eot_id]
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
+
+    encode_prompt = encode
 
     def decode(self, ids: Iterable[int]) -> str:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
@@ -47,14 +60,7 @@ class ByteTokenizer:
         are the byte values (GPT-2's byte-to-character alphabet), and the end-of-text token 256."""
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-        printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-        chars, extra = {}, 0
-        for b in range(256):
-            if b in printable:
-                chars[b] = chr(b)
-            else:
-                chars[b] = chr(256 + extra)
-                extra += 1
+        chars = byte_level_chars()
         vocab = {chars[b]: b for b in range(256)} | {EOT: self.eot_id}
         tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
@@ -67,47 +73,67 @@ class ByteTokenizer:
 
 
 class HFTokenizer:
-    """A Hugging Face ``tokenizers`` tokenizer loaded from a ``tokenizer.json`` file (BPE or any other)."""
+    """A Hugging Face ``tokenizers`` tokenizer loaded from a ``tokenizer.json`` file (BPE or any other).
+
+    ``eot`` names the end-of-text token (``<|endoftext|>`` unless the model that came with it uses another), ``stop``
+    further tokens that end generation, ``bos`` the begin-of-text token if the model has one."""
 
     kind = "hf"
 
-    def __init__(self, tokenizer, source: str = "") -> None:
+    def __init__(self, tokenizer, source: str = "", eot: str = EOT, stop: list[str] = (), bos: str | None = None):
         self._tok = tokenizer
         self.vocab_size = tokenizer.get_vocab_size()
-        eot = tokenizer.token_to_id(EOT)
-        if eot is None:
-            raise ValueError(
-                f"tokenizer {source or ''} has no {EOT!r} token; add it as a special token (difftx tokenizer train "
-                "does) so that documents can be separated"
-            )
-        self.eot_id = eot
+        self.eot, self.stop, self.bos = eot, list(stop), bos
+        ids = {}
+        for role, token in [("eot", eot), *(("stop", t) for t in self.stop), ("bos", bos)]:
+            if token is None:
+                continue
+            ids[token] = tokenizer.token_to_id(token)
+            if ids[token] is None:
+                if role == "eot" and eot == EOT:
+                    raise InputError(
+                        f"tokenizer {source} has no {EOT!r} token; add it as a special token (difftx tokenizer train "
+                        "does) so that documents can be separated"
+                    )
+                raise InputError(f"tokenizer {source} has no token {token!r} (its {role} token)")
+        self.eot_id = ids[eot]
+        self.stop_ids = [self.eot_id, *(ids[t] for t in self.stop if ids[t] != self.eot_id)]
+        self.bos_id = None if bos is None else ids[bos]
 
     @classmethod
-    def from_file(cls, path: str | Path) -> HFTokenizer:
-        from tokenizers import Tokenizer
-
-        path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"tokenizer file {path} does not exist")
-        try:
-            tok = Tokenizer.from_file(str(path))
-        except Exception as err:  # tokenizers raises its own exception type
-            raise ValueError(f"{path} is not a valid tokenizer.json: {err}") from None
-        return cls(tok, str(path))
+    def from_file(cls, path: str | Path, **special) -> HFTokenizer:
+        return cls(read_tokenizer_file(path), str(path), **special)
 
     def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
+        """A document's ids; special tokens in the text are encoded as text."""
+        self._tok.encode_special_tokens = True
+        try:
+            return self._tok.encode(text, add_special_tokens=False).ids
+        finally:
+            self._tok.encode_special_tokens = False
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """A prompt's ids as ``transformers`` encodes it: special tokens recognised, the template's BOS added."""
+        return self._tok.encode(text, add_special_tokens=True).ids
 
     def decode(self, ids: Iterable[int]) -> str:
         return self._tok.decode([int(i) for i in ids if i != self.eot_id], skip_special_tokens=True)
 
     def token_bytes(self) -> np.ndarray:
-        """UTF-8 bytes per token: the decoded length of each token on its own (0 for special tokens)."""
+        """UTF-8 bytes per token (0 for special tokens). Exact for byte-level tokenizers, whose token strings spell
+        one byte per character (a token may hold part of a character); otherwise the length of the token decoded
+        on its own."""
         special = {t.content for t in self._tok.get_added_tokens_decoder().values() if t.special}
+        byte_level = _has_byte_level(json.loads(self._tok.to_str()).get("decoder"))
+        alphabet = set(byte_level_chars().values())
         counts = np.zeros(self.vocab_size, dtype=np.int64)
         for i in range(self.vocab_size):
             token = self._tok.id_to_token(i)
-            if token is not None and token not in special:
+            if token is None or token in special:
+                continue
+            if byte_level and all(c in alphabet for c in token):
+                counts[i] = len(token)
+            else:
                 counts[i] = len(self._tok.decode([i]).encode("utf-8"))
         return counts
 
@@ -118,13 +144,52 @@ class HFTokenizer:
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         self._tok.save(str(directory / HF_FILE))
-        _write_spec(directory, {"kind": self.kind, "vocab_size": self.vocab_size, "file": HF_FILE})
+        spec = {"kind": self.kind, "vocab_size": self.vocab_size, "file": HF_FILE}
+        if (self.eot, self.stop, self.bos) != (EOT, [], None):
+            spec |= {"eot": self.eot, "stop": self.stop, "bos": self.bos}
+        _write_spec(directory, spec)
 
     def fingerprint(self) -> str:
-        return "hf-" + hashlib.sha256(self._tok.to_str().encode("utf-8")).hexdigest()[:16]
+        """Identifies the token stream a document becomes (the vocabulary, merges and end-of-text token)."""
+        digest = "hf-" + hashlib.sha256(self._tok.to_str().encode("utf-8")).hexdigest()[:16]
+        return digest if self.eot == EOT else f"{digest}-eot:{self.eot}"
 
 
 Tokenizer = ByteTokenizer | HFTokenizer
+
+
+def byte_level_chars() -> dict[int, str]:
+    """GPT-2's byte-level alphabet: the character that stands for each byte in byte-level BPE token strings
+    (printable Latin-1 bytes stand for themselves, the others for characters from U+0100 on)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return chars
+
+
+def _has_byte_level(decoder) -> bool:
+    """Whether a tokenizer.json decoder is ByteLevel, alone or in a Sequence."""
+    if not isinstance(decoder, dict):
+        return False
+    return decoder.get("type") == "ByteLevel" or any(_has_byte_level(d) for d in decoder.get("decoders") or [])
+
+
+def read_tokenizer_file(path: str | Path):
+    """A ``tokenizers.Tokenizer`` from a tokenizer.json file, with a clear error for a missing or damaged one."""
+    from tokenizers import Tokenizer
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"tokenizer file {path} does not exist")
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as err:  # tokenizers raises its own exception type
+        raise InputError(f"{path} is not a valid tokenizer.json: {err}") from None
 
 
 def _write_spec(directory: str | Path, spec: dict) -> None:
@@ -142,7 +207,7 @@ def get_tokenizer(name: str) -> Tokenizer:
         return load_tokenizer(path)
     if path.suffix == ".json":
         return HFTokenizer.from_file(path)
-    raise ValueError(
+    raise InputError(
         f"unknown tokenizer {name!r}: give 'byte', a tokenizer.json file, or a directory made by "
         "'difftx tokenizer train'"
     )
@@ -156,20 +221,34 @@ def load_tokenizer(directory: str | Path) -> Tokenizer:
         if (directory / HF_FILE).is_file():
             return HFTokenizer.from_file(directory / HF_FILE)
         raise FileNotFoundError(f"{directory} holds no tokenizer ({SPEC_FILE} or {HF_FILE} is missing)")
-    spec = json.loads(spec_path.read_text())
+    spec = read_json_object(spec_path)
     if spec.get("kind") == "byte":
         return ByteTokenizer()
     if spec.get("kind") == "hf":
-        return HFTokenizer.from_file(directory / spec.get("file", HF_FILE))
-    raise ValueError(f"{spec_path} names an unknown tokenizer kind {spec.get('kind')!r}")
+        file, eot, stop, bos = spec.get("file", HF_FILE), spec.get("eot", EOT), spec.get("stop", []), spec.get("bos")
+        if not (
+            isinstance(file, str)
+            and Path(file).name == file
+            and isinstance(eot, str)
+            and isinstance(stop, list)
+            and all(isinstance(t, str) for t in stop)
+            and (bos is None or isinstance(bos, str))
+        ):
+            raise InputError(f"{spec_path} is damaged: file, eot, stop or bos has the wrong type")
+        return HFTokenizer.from_file(directory / file, eot=eot, stop=stop, bos=bos)
+    raise InputError(f"{spec_path} names an unknown tokenizer kind {spec.get('kind')!r}")
 
 
 def train_bpe(texts: Iterator[str], vocab_size: int, out_dir: str | Path) -> HFTokenizer:
     """Train a byte-level BPE tokenizer locally (Hugging Face ``tokenizers``) and save it to ``out_dir``."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    if vocab_size < 257 + 1:
-        raise ValueError(f"a byte-level BPE vocabulary needs more than 257 entries, got --vocab-size {vocab_size}")
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or not 258 <= vocab_size <= 1 << 20:
+        raise ConfigError(
+            "train_bpe",
+            "vocab_size",
+            f"must be an integer in [258, 1,048,576] (256 bytes, the end token and merges), got {vocab_size!r}",
+        )
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()

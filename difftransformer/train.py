@@ -1,116 +1,55 @@
 """The training loop: AdamW with the paper's defaults, warmup then cosine decay, clipping, accumulation,
 autocast, periodic validation (loss and bits per byte), JSONL metrics with lambda per layer, crash-safe
-checkpoints and exact resume, on one process or many (torchrun, DDP or FSDP2)."""
+checkpoints and exact resume, on one process or many (torchrun, DDP or FSDP2).
+
+Guards: a step whose loss or gradient is not finite is skipped (logged, the weights untouched) and
+``max_nonfinite_steps`` of them in a row stop the run (``TrainingDiverged``) with its last checkpoint intact.
+SIGINT and SIGTERM finish the current step, write a checkpoint and raise ``Interrupted``. A run that fails before
+its first checkpoint removes the directory it created. The data's checksums are verified at the start.
+"""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
+import shutil
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from difftransformer.checkpoint import list_checkpoints, load_checkpoint, load_model_tensors, save_checkpoint
+from difftransformer.attention.diff import own_layout
+from difftransformer.checkpoint import (
+    clean_stale,
+    list_checkpoints,
+    load_checkpoint,
+    load_model_tensors,
+    save_checkpoint,
+)
 from difftransformer.config import ModelConfig
-from difftransformer.data import TokenData, WindowSampler, eval_windows
+from difftransformer.data import TokenData, WindowSampler, data_identity, eval_windows, verify_data
 from difftransformer.distributed import (
-    PARALLEL_MODES,
     World,
+    all_reduce_max,
     all_reduce_mean,
+    barrier,
     full_state,
     init_world,
     load_full_state,
     parallelize,
     unwrap,
 )
-from difftransformer.fsutil import check_new_dir
+from difftransformer.errors import ConfigError, InputError, Interrupted, TrainingDiverged
+from difftransformer.fsutil import check_new_dir, write_text_atomic
+from difftransformer.interrupts import StopSignals
 from difftransformer.model import TransformerLM
-from difftransformer.runs import MODEL_CONFIG
+from difftransformer.runs import LOCK, METRICS, MODEL_CONFIG, TRAIN_CONFIG, RunLock, check_weights, is_unstarted_run
 from difftransformer.tokenizer import load_tokenizer
+from difftransformer.train_config import TrainConfig, resume_config
 
-TRAIN_CONFIG = "train_config.json"
-
-METRICS = "metrics.jsonl"
-
-
-@dataclass
-class TrainConfig:
-    """One training run. The defaults follow PAPER.md section 2 (AdamW (0.9, 0.98), lr 1.5e-3, wd 0.05,
-    375 warmup steps) scaled to short runs: warmup is capped at a tenth of the steps."""
-
-    data: str
-    out: str
-    preset: str = "tiny"
-    attention: str = "diff"
-    model: dict[str, Any] = field(default_factory=dict)  # ModelConfig overrides
-    init_from: str | None = None  # a run directory whose newest weights (and model config) start this run
-    seq_len: int | None = None  # None: min(preset max_seq_len, 256)
-    batch_size: int = 16  # sequences per optimizer step, all processes together
-    grad_accum: int = 1
-    max_steps: int = 2000
-    lr: float = 1.5e-3
-    min_lr_ratio: float = 0.1
-    warmup_steps: int | None = None  # None: min(375, max_steps // 10)
-    betas: tuple[float, float] = (0.9, 0.98)
-    weight_decay: float = 0.05
-    grad_clip: float = 1.0
-    eval_interval: int = 200
-    eval_tokens: int = 1 << 16
-    log_interval: int = 10
-    ckpt_interval: int = 500
-    keep_last: int = 3
-    seed: int = 0
-    device: str = "auto"
-    dtype: str = "auto"  # auto: bfloat16 autocast on GPUs that support it, else float32
-    compile: bool = False
-    checkpoint_activations: bool = False
-    parallel: str = "none"
-    threads: int | None = None
-
-    def __post_init__(self) -> None:
-        self.betas = tuple(self.betas)
-        if self.warmup_steps is None:
-            self.warmup_steps = min(375, self.max_steps // 10)
-        for name in ("batch_size", "grad_accum", "max_steps", "eval_interval", "log_interval", "ckpt_interval"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(self, name)!r}")
-        if self.batch_size % self.grad_accum:
-            raise ValueError(f"--batch-size {self.batch_size} is not divisible by --grad-accum {self.grad_accum}")
-        if not self.lr > 0 or not 0 <= self.min_lr_ratio <= 1 or self.warmup_steps < 0:
-            raise ValueError("--lr must be positive, --min-lr-ratio in [0, 1] and --warmup-steps >= 0")
-        if self.dtype not in ("auto", "float32", "bfloat16"):
-            raise ValueError(f"--dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
-        if self.parallel not in PARALLEL_MODES:
-            raise ValueError(f"--parallel must be one of {PARALLEL_MODES}, got {self.parallel!r}")
-
-    def model_config(self, vocab_size: int) -> ModelConfig:
-        overrides = dict(self.model)
-        if "vocab_size" in overrides and overrides["vocab_size"] != vocab_size:
-            raise ValueError(
-                f"the model's vocab_size {overrides['vocab_size']} does not match the data's tokenizer "
-                f"({vocab_size} tokens); drop the vocab_size override or prepare the data with the matching tokenizer"
-            )
-        return ModelConfig.preset(self.preset, attention=self.attention, **{**overrides, "vocab_size": vocab_size})
-
-    def resolve_seq_len(self, model_config: ModelConfig) -> None:
-        """Default the window length to min(max_seq_len, 256); refuse one longer than the model's context."""
-        if self.seq_len is None:
-            self.seq_len = min(model_config.max_seq_len, 256)
-        if self.seq_len > model_config.max_seq_len:
-            raise ValueError(f"--seq-len {self.seq_len} exceeds the model's max_seq_len {model_config.max_seq_len}")
-
-    def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), indent=2) + "\n"
-
-    @classmethod
-    def from_json(cls, text: str) -> TrainConfig:
-        return cls(**json.loads(text))
+__all__ = ["TrainConfig", "Trainer", "lr_at", "resume_config", "train"]
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -193,13 +132,39 @@ class Progress:
 
 class Trainer:
     """Holds one run: model, optimizer, data, and the run directory. ``train_step()`` trains one optimizer step,
-    ``fit()`` trains with logging, validation and checkpoints."""
+    ``fit()`` trains with logging, validation and checkpoints. ``close()`` releases the run directory.
+
+    A new run refuses a directory that already holds something; ``resume=True`` continues the run in ``cfg.out``
+    from its newest checkpoint (or from step 0 if it stopped before its first), writing only into that directory.
+    """
 
     def __init__(self, cfg: TrainConfig, resume: bool = False, world: World | None = None, quiet: bool = False):
-        self.cfg, self.world = cfg, world or init_world(cfg.device)
+        self.cfg, self.world, self.quiet = cfg, world or init_world(cfg.device), quiet
         self.run_dir = Path(cfg.out)
+        self.lock: RunLock | None = None
+        self.created_dir = False  # this process made the run directory: a failed start removes it
+        self.saved_step: int | None = None
+        self.nonfinite_in_a_row = 0
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
+        try:
+            self._setup(resume)
+        except BaseException:
+            self._remove_failed_start()
+            self.close()
+            raise
+
+    def _setup(self, resume: bool) -> None:
+        cfg = self.cfg
+        if resume:
+            self._open_existing_run()
+        elif self.run_dir.exists() and is_unstarted_run(self.run_dir):
+            raise FileExistsError(
+                f"run directory {self.run_dir} holds a run that stopped before its first checkpoint; resume it "
+                "(it starts again from step 0) or remove it"
+            )
+        else:
+            check_new_dir(self.run_dir, "run directory")
         self.train_data = TokenData(cfg.data, "train")
         self.val_data = TokenData(cfg.data, "val")
         data_tok = self.train_data.manifest["tokenizer"]
@@ -207,80 +172,158 @@ class Trainer:
         if resume:
             run_tok = load_tokenizer(self.run_dir)
             if run_tok.fingerprint() != data_tok["fingerprint"]:
-                raise ValueError(
+                raise InputError(
                     f"the data in {cfg.data} was tokenised with {data_tok['fingerprint']}, but the run {self.run_dir} "
-                    f"uses {run_tok.fingerprint()}: resume with the data the run was started on"
+                    f"uses {run_tok.fingerprint()}: resume with data prepared with the run's tokenizer"
                 )
             self.model_config = ModelConfig.from_json(self.run_dir / MODEL_CONFIG)
         elif cfg.init_from:
             self.model_config = ModelConfig.from_json(Path(cfg.init_from) / MODEL_CONFIG)
-            if self.model_config.vocab_size != data_tok["vocab_size"]:
-                raise ValueError(
-                    f"--init-from {cfg.init_from} has a vocabulary of {self.model_config.vocab_size}, the data's "
-                    f"tokenizer {data_tok['vocab_size']}: prepare the data with that run's tokenizer"
+            start_tok = load_tokenizer(cfg.init_from)
+            if start_tok.fingerprint() != data_tok["fingerprint"]:
+                raise InputError(
+                    f"the run {cfg.init_from} (init_from) uses the tokenizer {start_tok.fingerprint()}, the data in "
+                    f"{cfg.data} {data_tok['fingerprint']}: prepare the data with that run's tokenizer"
                 )
         else:
             self.model_config = cfg.model_config(data_tok["vocab_size"])
         cfg.resolve_seq_len(self.model_config)
         if cfg.batch_size % (cfg.grad_accum * self.world.size):
-            raise ValueError(
-                f"--batch-size {cfg.batch_size} does not split into --grad-accum {cfg.grad_accum} x "
+            raise InputError(
+                f"batch_size {cfg.batch_size} does not split into grad_accum {cfg.grad_accum} x "
                 f"{self.world.size} processes"
             )
         self.sampler = WindowSampler(self.train_data, cfg.seq_len, cfg.batch_size, cfg.seed)
         self.val_windows = eval_windows(self.val_data, cfg.seq_len, cfg.eval_tokens)
         self.token_bytes = torch.from_numpy(self.tokenizer.token_bytes())
+        if self.world.is_main:
+            verify_data(cfg.data)
         torch.manual_seed(cfg.seed)
         with torch.device(self.world.device):
             model = TransformerLM(self.model_config)
-        if cfg.init_from and not resume:
+        self.checkpoints = list_checkpoints(self.run_dir) if resume else []
+        if cfg.init_from and not self.checkpoints:
             start = list_checkpoints(cfg.init_from)
             if not start:
-                raise FileNotFoundError(f"--init-from {cfg.init_from} has no checkpoint to start from")
-            model.load_state_dict(load_model_tensors(start[-1]), strict=True)
+                raise FileNotFoundError(f"init_from {cfg.init_from} has no checkpoint to start from")
+            tensors = load_model_tensors(start[-1])
+            check_weights(model, tensors, str(start[-1]), str(Path(cfg.init_from) / MODEL_CONFIG))
+            with own_layout():
+                model.load_state_dict(tensors, strict=True)
         self.model = parallelize(model, cfg.parallel, self.world, cfg.compile, cfg.checkpoint_activations)
         self.optimizer = make_optimizer(self.model, cfg)
         self.amp = autocast_dtype(cfg, self.world.device)
         self.step_idx = 0
-        self.progress = Progress(cfg.max_steps, enabled=self.world.is_main and not quiet)
+        self.progress = Progress(cfg.max_steps, enabled=self.world.is_main and not self.quiet)
+        if self.checkpoints:
+            self._load_newest()
+        elif resume:
+            self._note(f"{self.run_dir} has no checkpoint yet: the run starts again from step 0")
+            if self.world.is_main:
+                write_text_atomic(self.run_dir / METRICS, "")
         if resume:
-            self._resume()
+            self._rewrite_train_config()
         else:
             self._start_run_dir()
 
     # run directory -------------------------------------------------------------------------------------------
     def _start_run_dir(self) -> None:
         if self.world.is_main:
-            check_new_dir(self.run_dir, "run directory")
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / TRAIN_CONFIG).write_text(self.cfg.to_json())
+            try:
+                self.run_dir.mkdir(parents=True)
+                created = True
+            except FileExistsError:
+                created = False
+            self.lock = RunLock(self.run_dir)
+            self.created_dir = created
+            check_new_dir(self.run_dir, "run directory", allow=(LOCK,))
+            self._rewrite_train_config()
             self.model_config.to_json(self.run_dir / MODEL_CONFIG)
             self.tokenizer.save(self.run_dir)
             (self.run_dir / METRICS).write_text("")
 
-    def _resume(self) -> None:
-        checkpoints = list_checkpoints(self.run_dir)
-        if not checkpoints:
-            raise FileNotFoundError(f"{self.run_dir} has no checkpoint to resume from")
-        model_sd, optim_sd, meta = load_checkpoint(checkpoints[-1])
-        load_full_state(self.model, self.optimizer, model_sd, optim_sd)
-        self.step_idx = meta["step"]
+    def _rewrite_train_config(self) -> None:
+        """train_config.json as this run now trains (absolute paths, and what a resume changed)."""
+        if self.world.is_main:
+            saved = self.cfg.to_dict()
+            for name in ("data", "init_from"):
+                if saved[name] is not None:
+                    saved[name] = str(Path(saved[name]).resolve())
+            write_text_atomic(self.run_dir / TRAIN_CONFIG, json.dumps(saved, indent=2) + "\n")
+
+    def _open_existing_run(self) -> None:
+        """Lock the run, tidy what killed writes left, and find its data."""
+        if self.world.is_main:
+            self.lock = RunLock(self.run_dir)
+            for line in clean_stale(self.run_dir):
+                self._note(line)
+        barrier()
+        data = Path(self.cfg.data)
+        if not (data / "manifest.json").is_file():
+            raise ConfigError(
+                "TrainConfig",
+                "data",
+                f"{data} of the run {self.run_dir} is not there (moved or deleted?); give its new location with "
+                "`data` (data prepared with the run's tokenizer)",
+            )
+
+    def _load_newest(self) -> None:
+        model_sd, optim_sd, meta = load_checkpoint(self.checkpoints[-1])
+        check_weights(unwrap(self.model), model_sd, str(self.checkpoints[-1]), str(self.run_dir / MODEL_CONFIG))
+        with own_layout():
+            load_full_state(self.model, self.optimizer, model_sd, optim_sd)
+        self.step_idx = self.saved_step = meta["step"]
+        self.nonfinite_in_a_row = meta.get("nonfinite_in_a_row", 0)
         torch.set_rng_state(torch.tensor(meta["rng_torch"], dtype=torch.uint8))
+        if self.step_idx > self.cfg.max_steps:
+            raise InputError(
+                f"max_steps {self.cfg.max_steps} is below the step the run {self.run_dir} has reached, "
+                f"{self.step_idx}; give a larger one to train further"
+            )
+        recorded = meta.get("data", {}).get("id")
+        if recorded is not None and recorded != data_identity(self.train_data.manifest):
+            self._note(
+                f"the data in {self.cfg.data} differs from the data step {self.step_idx} was trained on (prepared "
+                "again?); training goes on with it, so the run will differ from one that was never interrupted"
+            )
         if self.world.is_main:  # drop metrics written after the checkpoint: they will be written again
             metrics = self.run_dir / METRICS
-            rows = [r for r in metrics.read_text().splitlines() if r and json.loads(r)["step"] <= self.step_idx]
-            metrics.write_text("".join(r + "\n" for r in rows))
+            rows = metrics.read_text().splitlines() if metrics.is_file() else []
+            kept = [r for r in rows if r and json.loads(r)["step"] <= self.step_idx]
+            write_text_atomic(metrics, "".join(r + "\n" for r in kept))
 
-    def save(self) -> None:
+    def _remove_failed_start(self) -> None:
+        """A run that fails before its first checkpoint leaves nothing behind in a directory it created."""
+        if self.created_dir and self.saved_step is None and self.world.is_main:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+            self.created_dir = False
+
+    def close(self) -> None:
+        """Release the run directory (another trainer may then resume it)."""
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
+
+    def _note(self, text: str) -> None:
+        if self.world.is_main:
+            print(f"note: {text}", file=sys.stderr, flush=True)
+
+    def save(self) -> Path | None:
+        """Write a checkpoint of the current step (once per step); returns its directory on the main process."""
         model_sd, optim_sd = full_state(self.model, self.optimizer)
+        path = None
         if self.world.is_main:
             meta = {
                 "data_position": self.step_idx,  # the next global batch index
                 "rng_torch": torch.get_rng_state().tolist(),
+                "nonfinite_in_a_row": self.nonfinite_in_a_row,
                 "model_config": self.model_config.to_dict(),
-                "train_config": dataclasses.asdict(self.cfg),
+                "train_config": self.cfg.to_dict(),
+                "data": {"path": str(Path(self.cfg.data).resolve()), "id": data_identity(self.train_data.manifest)},
             }
-            save_checkpoint(self.run_dir, self.step_idx, model_sd, optim_sd, meta, self.cfg.keep_last)
+            path = save_checkpoint(self.run_dir, self.step_idx, model_sd, optim_sd, meta, self.cfg.keep_last)
+        self.saved_step = self.step_idx
+        return path
 
     def log(self, row: dict) -> None:
         if self.world.is_main:
@@ -289,6 +332,7 @@ class Trainer:
 
     # training ------------------------------------------------------------------------------------------------
     def train_step(self) -> dict:
+        """One optimizer step. A non-finite loss or gradient norm skips the update (the row says "skipped")."""
         cfg, model, device = self.cfg, self.model, self.world.device
         lr = lr_at(self.step_idx, cfg)
         for group in self.optimizer.param_groups:
@@ -309,18 +353,32 @@ class Trainer:
                 loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten()) / cfg.grad_accum
                 loss.backward()
             total += loss.detach()
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        self.optimizer.step()
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip))
+        loss_value = float(all_reduce_mean(total))
+        row = {"loss": loss_value, "lr": lr, "grad_norm": grad_norm}
+        if math.isfinite(loss_value) and math.isfinite(grad_norm):
+            self.optimizer.step()
+        else:
+            row["skipped"] = "non-finite loss" if not math.isfinite(loss_value) else "non-finite gradient"
         self.optimizer.zero_grad(set_to_none=True)
         self.step_idx += 1
-        return {"loss": float(all_reduce_mean(total)), "lr": lr, "grad_norm": float(grad_norm)}
+        return row
 
     def validate(self) -> tuple[float, float]:
         return evaluate(self.model, self.val_windows, self.token_bytes, self.world.device, self.amp)
 
     def fit(self, until: int | None = None) -> list[dict]:
         """Train to ``until`` (default max_steps), logging, validating and checkpointing on the configured
-        intervals; returns the logged rows."""
+        intervals; returns the logged rows. Raises TrainingDiverged or, after a checkpoint, Interrupted."""
+        try:
+            with StopSignals() as signals:
+                return self._fit(until, signals)
+        except BaseException as err:
+            if not isinstance(err, Interrupted):
+                self._remove_failed_start()
+            raise
+
+    def _fit(self, until: int | None, signals: StopSignals) -> list[dict]:
         cfg = self.cfg
         stop = cfg.max_steps if until is None else min(until, cfg.max_steps)
         tokens_per_step = cfg.batch_size * cfg.seq_len
@@ -333,18 +391,43 @@ class Trainer:
             row.update(step=step, tokens=step * tokens_per_step, tokens_per_s=round(speed, 1))
             if (lams := layer_lambdas(self.model)) is not None:
                 row["lambda"] = lams
+            self._guard(row)
             if step % cfg.eval_interval == 0 or step == cfg.max_steps:
                 row["val_loss"], row["val_bpb"] = self.validate()
-            if step % cfg.log_interval == 0 or "val_loss" in row:
+            if step % cfg.log_interval == 0 or "val_loss" in row or "skipped" in row:
                 self.log(row)
                 rows.append(row)
                 left = (cfg.max_steps - step) * elapsed / (step - start_step)
                 self.progress.update(step, row["loss"], speed, left)
             if step % cfg.ckpt_interval == 0 or step == cfg.max_steps:
                 self.save()
+            signum = int(all_reduce_max(torch.tensor(signals.received or 0)))
+            if signum:
+                self.progress.close()
+                path = self.save() if self.saved_step != step else list_checkpoints(self.run_dir)[-1]
+                raise Interrupted(signum, f"stopped by {signals.name(signum)} at step {step}; checkpoint {path}")
         if self.step_idx == cfg.max_steps:
             self.progress.close()
         return rows
+
+    def _guard(self, row: dict) -> None:
+        """Count skipped steps in a row; stop the run when there are max_nonfinite_steps of them."""
+        if "skipped" not in row:
+            self.nonfinite_in_a_row = 0
+            return
+        self.nonfinite_in_a_row += 1
+        limit = self.cfg.max_nonfinite_steps
+        self._note(
+            f"step {row['step']}: {row['skipped']} (loss {row['loss']}, gradient norm {row['grad_norm']}): the update "
+            f"was skipped ({self.nonfinite_in_a_row} in a row; the run stops at {limit})"
+        )
+        if self.nonfinite_in_a_row >= limit:
+            last = f"step {self.saved_step}" if self.saved_step is not None else "none was written"
+            raise TrainingDiverged(
+                f"{limit} steps in a row (to step {row['step']}) had a non-finite loss or gradient: the run stopped "
+                f"without saving; its last checkpoint ({last}) is intact. Lower the learning rate (a new run with "
+                "init_from) or check the data"
+            )
 
 
 class _no_sync:
@@ -361,15 +444,9 @@ class _no_sync:
 
 
 def train(cfg: TrainConfig, resume: bool = False, quiet: bool = False) -> list[dict]:
-    return Trainer(cfg, resume=resume, quiet=quiet).fit()
-
-
-def resume_config(run_dir: str | Path, max_steps: int | None = None) -> TrainConfig:
-    """The TrainConfig saved in a run directory (optionally with a new max_steps)."""
-    path = Path(run_dir) / TRAIN_CONFIG
-    if not path.is_file():
-        raise FileNotFoundError(f"{run_dir} is not a run directory ({TRAIN_CONFIG} is missing)")
-    cfg = TrainConfig.from_json(path.read_text())
-    if max_steps is not None:
-        cfg.max_steps = max_steps
-    return cfg
+    """Train (or resume) the run ``cfg`` describes to its end; returns the logged rows."""
+    trainer = Trainer(cfg, resume=resume, quiet=quiet)
+    try:
+        return trainer.fit()
+    finally:
+        trainer.close()

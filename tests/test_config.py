@@ -58,17 +58,21 @@ def test_json_round_trip(tmp_path):
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (dict(attention="flash"), "attention must be one of"),
-        (dict(d_model=100), "d_model 100 is not divisible by n_heads 8"),
-        (dict(n_kv_heads=3), "n_heads 8 is not divisible by n_kv_heads 3"),
+        (dict(attention="flash"), "ModelConfig.attention must be one of 'diff', 'diff_v2', 'standard'"),
+        (dict(d_model=100), "ModelConfig.d_model 100 is not divisible by n_heads 8"),
+        (dict(n_kv_heads=3), "ModelConfig.n_kv_heads 3 does not divide n_heads 8"),
         (dict(n_heads=2, n_kv_heads=1), "both must be even"),
         (dict(d_model=120, n_heads=8), "even head size"),
-        (dict(vocab_size=0), "vocab_size must be a positive integer"),
-        (dict(n_layers=2.5), "n_layers must be a positive integer"),
-        (dict(dropout=1.0), r"dropout must be in \[0, 1\)"),
-        (dict(norm_eps=0), "must be positive"),
+        (dict(vocab_size=0), r"ModelConfig.vocab_size must be an integer in \[1, 16,777,216\], got 0"),
+        (dict(n_layers=2.5), r"ModelConfig.n_layers must be an integer in \[1, 1,024\], got 2.5"),
+        (dict(dropout=1.0), r"ModelConfig.dropout must be a finite number in \[0, 1\), got 1.0"),
+        (dict(norm_eps=0), r"ModelConfig.norm_eps must be a finite number in \(0, 1\)"),
+        (dict(rope_theta=float("nan")), r"ModelConfig.rope_theta must be a finite number in \(0, inf\] or None"),
+        (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "rope_scaling must be None or one of"),
+        (dict(rope_scaling={"rope_type": "linear"}), r"needs exactly the keys \['factor'\]"),
+        (dict(tie_embeddings=1), "tie_embeddings must be true or false, got 1"),
         (dict(attn_impl="flash"), "attn_impl must be one of"),
-        (dict(bogus=1), r"unknown ModelConfig field\(s\) \['bogus'\]"),
+        (dict(bogus=1), "ModelConfig.bogus is not a ModelConfig field; known: vocab_size"),
     ],
 )
 def test_invalid_configs_raise_clear_errors(overrides, message):
@@ -77,7 +81,7 @@ def test_invalid_configs_raise_clear_errors(overrides, message):
 
 
 def test_unknown_preset_and_bad_json(tmp_path):
-    with pytest.raises(ValueError, match="unknown preset 'huge'; choose one of tiny"):
+    with pytest.raises(ValueError, match="preset 'huge' is unknown; choose one of tiny"):
         ModelConfig.preset("huge")
     with pytest.raises(FileNotFoundError, match="does not exist"):
         ModelConfig.from_json(tmp_path / "missing.json")

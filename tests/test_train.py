@@ -106,10 +106,10 @@ def test_crash_while_writing_keeps_last_good_checkpoint(prepared, tmp_path, monk
     before = (good / "model.safetensors").read_bytes()
     real_save = checkpoint.save_file
 
-    def crash_on_optimizer(tensors, path):
+    def crash_on_optimizer(tensors, path, **kwargs):
         if Path(path).name == "optimizer.safetensors":
             raise OSError("disk full")
-        real_save(tensors, path)
+        real_save(tensors, path, **kwargs)
 
     monkeypatch.setattr(checkpoint, "save_file", crash_on_optimizer)
     with pytest.raises(OSError, match="disk full"):
@@ -137,7 +137,7 @@ def test_bad_inputs_are_refused_and_nothing_is_overwritten(prepared, tmp_path):
     assert (tmp_path / "run" / "metrics.jsonl").read_text() == before
     with pytest.raises(FileNotFoundError, match="does not exist; create it with 'difftx data prepare'"):
         train(small_config(tmp_path / "missing", tmp_path / "r2"), quiet=True)
-    with pytest.raises(ValueError, match="does not match the data's tokenizer"):
+    with pytest.raises(ValueError, match="sets vocab_size 300, but the data's tokenizer has 257 tokens"):
         train(small_config(prepared, tmp_path / "r3", model={**SMALL, "vocab_size": 300}), quiet=True)
     with pytest.raises(ValueError, match="fewer than one window"):
         train(
@@ -145,7 +145,7 @@ def test_bad_inputs_are_refused_and_nothing_is_overwritten(prepared, tmp_path):
         )
     with pytest.raises(ValueError, match="not divisible by n_heads"):
         train(small_config(prepared, tmp_path / "r5", model={**SMALL, "n_heads": 5}), quiet=True)
-    with pytest.raises(ValueError, match="not divisible by --grad-accum"):
+    with pytest.raises(ValueError, match="batch_size 5 is not divisible by grad_accum 2"):
         small_config(prepared, tmp_path / "r6", batch_size=5, grad_accum=2)
     for name in ("r2", "r3", "r4", "r5"):
         assert not (tmp_path / name).exists()
@@ -161,7 +161,7 @@ def test_resume_refuses_other_data(prepared, tmp_path, corpus_dir):
     prepare(iter_documents(find_files([corpus_dir])), tok, tmp_path / "bpe")
     cfg = resume_config(tmp_path / "run", max_steps=8)
     cfg.data = str(tmp_path / "bpe")
-    with pytest.raises(ValueError, match="resume with the data the run was started on"):
+    with pytest.raises(ValueError, match="resume with data prepared with the run's tokenizer"):
         Trainer(cfg, resume=True, quiet=True)
 
 

@@ -6,7 +6,8 @@ import torch
 from torch import nn
 
 from difftransformer.attention.kernels import softmax_dtype
-from difftransformer.rotary import apply_rotary, rotary_angles
+from difftransformer.errors import InputError
+from difftransformer.rotary import apply_rotary, rope_scaling_problem, rotary_angles
 
 
 class AttentionBase(nn.Module):
@@ -22,53 +23,62 @@ class AttentionBase(nn.Module):
         causal: bool,
         per_head: int,
         what: str,
+        rope_scaling: dict | None = None,
     ) -> None:
         super().__init__()
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         self.head_dim = check_heads(embed_dim, num_heads, num_kv_heads, per_head, what)
-        check_rotary(self.head_dim, rope_theta)
+        check_rotary(self.head_dim, rope_theta, rope_scaling)
         if layer_idx < 0:
-            raise ValueError(f"layer_idx counts layers from 0, got {layer_idx}")
+            raise InputError(f"layer_idx counts layers from 0, got {layer_idx}")
         self.embed_dim, self.num_heads, self.num_kv_heads = embed_dim, num_heads, num_kv_heads
         self.layer_idx, self.rope_theta, self.causal = layer_idx, rope_theta, causal
+        self.rope_scaling = rope_scaling
         self.scaling = self.head_dim**-0.5
 
 
 def check_heads(embed_dim: int, num_heads: int, num_kv_heads: int, per_head: int, what: str) -> int:
     """Validate the head counts; return the head size ``embed_dim // (per_head * num_heads)``."""
     if num_heads < 1 or num_kv_heads < 1:
-        raise ValueError(f"num_heads ({num_heads}) and num_kv_heads ({num_kv_heads}) must be at least 1")
+        raise InputError(f"num_heads ({num_heads}) and num_kv_heads ({num_kv_heads}) must be at least 1")
     if embed_dim % (per_head * num_heads):
-        raise ValueError(
+        raise InputError(
             f"embed_dim {embed_dim} is not divisible by {per_head} * num_heads = {per_head * num_heads} "
             f"({what}); choose embed_dim a multiple of {per_head * num_heads} or another num_heads"
         )
     if num_heads % num_kv_heads:
-        raise ValueError(
+        raise InputError(
             f"num_heads {num_heads} is not divisible by num_kv_heads {num_kv_heads}: each key/value group "
             f"must serve the same number of query heads; choose num_kv_heads among the divisors of {num_heads}"
         )
     return embed_dim // (per_head * num_heads)
 
 
-def check_rotary(head_dim: int, rope_theta: float | None) -> None:
+def check_rotary(head_dim: int, rope_theta: float | None, rope_scaling: dict | None = None) -> None:
     if rope_theta is not None and head_dim % 2:
-        raise ValueError(
+        raise InputError(
             f"rotary embedding needs an even head size, got {head_dim}; change embed_dim or num_heads, "
             "or pass rope_theta=None for no rotary embedding"
         )
+    if (problem := rope_scaling_problem(rope_scaling)) is not None:
+        raise InputError(f"rope_scaling {problem}")
 
 
 def rotary_for(
-    positions: torch.Tensor | None, seq_len: int, head_dim: int, theta: float, like: torch.Tensor
+    positions: torch.Tensor | None,
+    seq_len: int,
+    head_dim: int,
+    theta: float,
+    like: torch.Tensor,
+    scaling: dict | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin for ``positions`` ((T,) or (B, T) integers), or for 0..T-1 when None, on ``like``'s device."""
     device = like.device
     if positions is None:
         positions = torch.arange(seq_len, device=device)
     elif positions.shape[-1] != seq_len:
-        raise ValueError(f"positions has {positions.shape[-1]} entries for a sequence of {seq_len} tokens")
-    return rotary_angles(positions, head_dim, theta, softmax_dtype(like))
+        raise InputError(f"positions has {positions.shape[-1]} entries for a sequence of {seq_len} tokens")
+    return rotary_angles(positions, head_dim, theta, softmax_dtype(like), scaling)
 
 
 def expand_mask(mask: torch.Tensor | None, batch: int, tq: int, tk: int) -> torch.Tensor | None:
@@ -80,18 +90,18 @@ def expand_mask(mask: torch.Tensor | None, batch: int, tq: int, tk: int) -> torc
     if mask is None:
         return None
     if mask.dtype != torch.bool:
-        raise ValueError(f"attention mask must be boolean (True = may attend), got dtype {mask.dtype}")
+        raise InputError(f"attention mask must be boolean (True = may attend), got dtype {mask.dtype}")
     if mask.dim() == 2:
         mask = mask[:, None, None, :]
     elif mask.dim() == 3:
         mask = mask[:, None]
     if mask.dim() != 4 or mask.shape[0] not in (1, batch) or mask.shape[1] != 1 or mask.shape[-1] != tk:
-        raise ValueError(
+        raise InputError(
             f"attention mask of shape {tuple(mask.shape)} does not fit batch {batch}, {tq} queries and {tk} "
             "keys; give (B, Tk), (B, Tq, Tk) or (B, 1, Tq, Tk)"
         )
     if mask.shape[2] not in (1, tq):
-        raise ValueError(f"attention mask has {mask.shape[2]} query rows for {tq} queries")
+        raise InputError(f"attention mask has {mask.shape[2]} query rows for {tq} queries")
     return mask.expand(mask.shape[0], 1, tq, tk)
 
 
@@ -111,7 +121,7 @@ def rotary_of(
     t = x.shape[1]
     if positions is None and cache is not None:
         positions = torch.arange(cache.length, cache.length + t, device=x.device)
-    return rotary_for(positions, t, attn.head_dim, attn.rope_theta, x)
+    return rotary_for(positions, t, attn.head_dim, attn.rope_theta, x, attn.rope_scaling)
 
 
 def project_heads(

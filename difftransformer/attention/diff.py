@@ -11,11 +11,20 @@ For differential head h with query halves q1, q2 and key halves k1, k2 of size d
 The parameters are named and laid out as in the reference code, so its state_dict loads unchanged:
 q_proj rows are (H, 2, d) (half-head 2h+c is component c of head h), k_proj rows (Hkv, 2, d) and
 v_proj rows (Hkv, 2d). Query head h reads key/value group h // (H // Hkv) for both maps.
+
+That pairing is the one of the reference's FlashAttention modules. Its naive module pairs grouped-query weights
+differently (query half-head i reads key half-head i // rep), and the weights do not say which module trained them:
+loading grouped-query weights that do not come from this library warns (``GQALayoutWarning``). Weights from the
+naive module have no exact equivalent in this layout.
 """
 
 from __future__ import annotations
 
+import contextvars
 import math
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -29,8 +38,26 @@ from difftransformer.attention.kernels import (
     softmax_dtype,
 )
 from difftransformer.cache import KVCache
+from difftransformer.errors import InputError
 from difftransformer.layers import RMSNorm
 from difftransformer.rotary import apply_rotary
+
+
+class GQALayoutWarning(UserWarning):
+    """Grouped-query weights of unknown origin were loaded: their head pairing cannot be checked."""
+
+
+_OWN_LAYOUT = contextvars.ContextVar("difftransformer_own_layout", default=False)
+
+
+@contextmanager
+def own_layout() -> Iterator[None]:
+    """Weights loaded inside come from this library (its checkpoints and converters), whose head pairing is known."""
+    token = _OWN_LAYOUT.set(True)
+    try:
+        yield
+    finally:
+        _OWN_LAYOUT.reset(token)
 
 
 def lambda_init_fn(layer_idx: int) -> float:
@@ -45,6 +72,8 @@ class MultiheadDiffAttn(AttentionBase):
     ``num_kv_heads`` (a divisor of ``num_heads``) gives grouped-query attention; None means one group per head.
     """
 
+    _version = 2  # state dicts of this version come from this library: head h reads group h // rep
+
     def __init__(
         self,
         embed_dim: int,
@@ -55,11 +84,12 @@ class MultiheadDiffAttn(AttentionBase):
         norm_eps: float = 1e-5,
         causal: bool = True,
         impl: str = "auto",
+        rope_scaling: dict | None = None,
     ) -> None:
         what = "two half-heads per differential head"
-        super().__init__(embed_dim, num_heads, layer_idx, num_kv_heads, rope_theta, causal, 2, what)
+        super().__init__(embed_dim, num_heads, layer_idx, num_kv_heads, rope_theta, causal, 2, what, rope_scaling)
         if impl not in DIFF_IMPLS:
-            raise ValueError(f"unknown impl {impl!r}; choose one of {DIFF_IMPLS}")
+            raise InputError(f"unknown impl {impl!r}; choose one of {DIFF_IMPLS}")
         self.impl = impl
         d, num_kv_heads = self.head_dim, self.num_kv_heads
         self.q_proj = nn.Linear(embed_dim, 2 * num_heads * d, bias=False)
@@ -82,6 +112,7 @@ class MultiheadDiffAttn(AttentionBase):
             cfg.d_model,
             layer_idx=layer_idx,
             rope_theta=cfg.rope_theta,
+            rope_scaling=cfg.rope_scaling,
             norm_eps=cfg.norm_eps,
             impl=cfg.attn_impl,
             **half_heads,
@@ -92,6 +123,21 @@ class MultiheadDiffAttn(AttentionBase):
         for p in (self.lambda_q1, self.lambda_k1, self.lambda_q2, self.lambda_k2):
             nn.init.normal_(p, mean=0.0, std=0.1, generator=generator)
         self.subln.reset_parameters()
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, *args, **kwargs) -> None:
+        version = (local_metadata or {}).get("version") or 0
+        if self.num_kv_heads < self.num_heads and version < 2 and not _OWN_LAYOUT.get():
+            warnings.warn(
+                f"{prefix or 'MultiheadDiffAttn '}: grouped-query weights ({self.num_heads} heads, {self.num_kv_heads} "
+                "key/value groups) of unknown origin: this module pairs head h with group h // rep for both maps, as "
+                "the reference's FlashAttention modules do; its naive module pairs them differently (half-head i "
+                "reads key half-head i // rep), so its weights load here but compute another function. Load only "
+                "weights trained with the FlashAttention pairing; inside `with difftransformer.attention."
+                "own_layout():` this warning is off",
+                GQALayoutWarning,
+                stacklevel=4,
+            )
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, *args, **kwargs)
 
     def lambda_full(self) -> torch.Tensor:
         """The current lambda: a float32 scalar shared by all heads of this layer."""

@@ -41,6 +41,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from difftransformer.errors import InputError
+
 MASK_VALUE = torch.finfo(torch.float32).min
 # Query rows per block of the block method (64 measured fastest on a 2-core CPU, forward and backward),
 # fewer when one block's score tensor (B * 2H * rows * Tk float32 values) would exceed 8M values = 32 MiB.
@@ -224,7 +226,7 @@ def diff_attention(
 ) -> torch.Tensor:
     """Exact differential attention ``(softmax(q1 k1^T) - lambda softmax(q2 k2^T)) v`` -> (B, H, Tq, 2d)."""
     if impl not in DIFF_IMPLS:
-        raise ValueError(f"unknown differential attention impl {impl!r}; choose one of {DIFF_IMPLS}")
+        raise InputError(f"unknown differential attention impl {impl!r}; choose one of {DIFF_IMPLS}")
     if impl == "triton":
         try:  # optional dependency, imported on first use
             from . import triton_diff

@@ -25,9 +25,10 @@ class MultiheadAttention(AttentionBase):
         num_kv_heads: int | None = None,
         rope_theta: float | None = 10000.0,
         causal: bool = True,
+        rope_scaling: dict | None = None,
     ) -> None:
         what = "one head of size embed_dim/num_heads"
-        super().__init__(embed_dim, num_heads, layer_idx, num_kv_heads, rope_theta, causal, 1, what)
+        super().__init__(embed_dim, num_heads, layer_idx, num_kv_heads, rope_theta, causal, 1, what, rope_scaling)
         d, num_kv_heads = self.head_dim, self.num_kv_heads
         self.q_proj = nn.Linear(embed_dim, num_heads * d, bias=False)
         self.k_proj = nn.Linear(embed_dim, num_kv_heads * d, bias=False)
@@ -36,7 +37,7 @@ class MultiheadAttention(AttentionBase):
 
     @classmethod
     def from_config(cls, cfg, layer_idx: int) -> MultiheadAttention:
-        return cls(cfg.d_model, cfg.n_heads, layer_idx, cfg.n_kv_heads, cfg.rope_theta)
+        return cls(cfg.d_model, cfg.n_heads, layer_idx, cfg.n_kv_heads, cfg.rope_theta, rope_scaling=cfg.rope_scaling)
 
     def forward(
         self,

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from difftransformer.analysis import allocation, attention_maps
+from difftransformer.errors import InputError
 from difftransformer.repro import needle, report
 from difftransformer.repro.fit import find_models, load_model, run_pairs, save_models, scaled_spec
 from difftransformer.repro.tasks import MARK
@@ -85,7 +86,7 @@ def run(
         for attention in report.PAIR:
             model = load_model(found[(attention, seed)])
             if model.config.max_seq_len != spec.seq_len:
-                raise ValueError(
+                raise InputError(
                     f"{found[(attention, seed)]} was trained at context {model.config.max_seq_len}, not the "
                     f"{scale} scale's {spec.seq_len}: pass the same --scale as the needle run"
                 )

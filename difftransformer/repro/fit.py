@@ -19,7 +19,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from difftransformer.attention.diff import own_layout
 from difftransformer.config import ModelConfig
+from difftransformer.errors import InputError
 from difftransformer.model import TransformerLM
 from difftransformer.repro.tasks import IGNORE, VOCAB
 from difftransformer.train import lr_at, make_optimizer
@@ -64,11 +66,11 @@ class FitSpec:
 def scaled_spec(scales: dict[str, FitSpec], scale: str, steps: int | None = None) -> FitSpec:
     """The experiment's spec at ``scale``, with the number of steps overridden when given (quick checks)."""
     if scale not in scales:
-        raise ValueError(f"unknown scale {scale!r}; choose one of {sorted(scales)}")
+        raise InputError(f"unknown scale {scale!r}; choose one of {sorted(scales)}")
     spec = scales[scale]
     if steps is not None:
         if steps < 1:
-            raise ValueError(f"--steps must be at least 1, got {steps}")
+            raise InputError(f"--steps must be at least 1, got {steps}")
         spec = FitSpec(**{**asdict(spec), "steps": steps, "eval_every": max(1, min(spec.eval_every, steps))})
     return spec
 
@@ -149,7 +151,8 @@ def save_models(runs: list[dict], out: Path, task: str) -> None:
 def model_from(run: dict) -> TransformerLM:
     """The trained model of a fit() result, in eval mode."""
     model = TransformerLM(ModelConfig(**run["config"]))
-    model.load_state_dict(run["state"])
+    with own_layout():
+        model.load_state_dict(run["state"])
     return model.eval()
 
 
@@ -157,9 +160,10 @@ def load_model(path: Path) -> TransformerLM:
     try:
         saved = torch.load(path, map_location="cpu", weights_only=True)
         model = TransformerLM(ModelConfig(**saved["config"]))
-        model.load_state_dict(saved["state"])
+        with own_layout():
+            model.load_state_dict(saved["state"])
     except (OSError, RuntimeError, KeyError, TypeError, ValueError) as err:
-        raise ValueError(f"cannot load the trained model {path}: {err}; delete it and rerun to retrain") from err
+        raise InputError(f"cannot load the trained model {path}: {err}; delete it and rerun to retrain") from err
     return model.eval()
 
 

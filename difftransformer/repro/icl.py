@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from difftransformer.errors import InputError
 from difftransformer.repro import report
 from difftransformer.repro.fit import FitSpec, fit, model_from, scaled_spec, train_pairs
 from difftransformer.repro.tasks import (
@@ -73,7 +74,7 @@ def curve_score(model, shots: int, size: int) -> float:
 def train_job(attention: str, seed: int, spec: FitSpec) -> dict:
     opts = spec.task
     if ICL_EXAMPLE * opts["shots"] + EXAMPLE_FEATURES > spec.seq_len:
-        raise ValueError(f"{opts['shots']} demonstrations do not fit a context of {spec.seq_len}")
+        raise InputError(f"{opts['shots']} demonstrations do not fit a context of {spec.seq_len}")
     run = fit(
         attention,
         seed,

@@ -6,6 +6,7 @@ import importlib
 import time
 from pathlib import Path
 
+from difftransformer.errors import InputError
 from difftransformer.fsutil import check_new_dir
 
 EXPERIMENTS = ("needle", "allocation", "icl")
@@ -26,9 +27,9 @@ def run(
     ones ``all`` has just trained, or else it trains them itself.
     """
     if what not in (*EXPERIMENTS, "all"):
-        raise ValueError(f"unknown experiment {what!r}; choose one of {', '.join(EXPERIMENTS)} or all")
+        raise InputError(f"unknown experiment {what!r}; choose one of {', '.join(EXPERIMENTS)} or all")
     if seeds < 1:
-        raise ValueError(f"--seeds must be at least 1, got {seeds}")
+        raise InputError(f"--seeds must be at least 1, got {seeds}")
     out = Path(out)
     check_new_dir(out, "report directory")
     seed_list = list(range(seeds))

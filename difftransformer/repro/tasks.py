@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from difftransformer.errors import InputError
+
 VOCAB = 64
 IGNORE = -100
 
@@ -60,14 +62,14 @@ def needle_batch(
     possible); None draws it uniformly.
     """
     if not 1 <= n_queries <= n_needles:
-        raise ValueError(f"need 1 <= R <= N, got N={n_needles}, R={n_queries}")
+        raise InputError(f"need 1 <= R <= N, got N={n_needles}, R={n_queries}")
     if n_needles > NEEDLE_CONTENT // 2:
-        raise ValueError(f"at most {NEEDLE_CONTENT // 2} needles (distinct keys and values), got {n_needles}")
+        raise InputError(f"at most {NEEDLE_CONTENT // 2} needles (distinct keys and values), got {n_needles}")
     hay = length - 3 * n_queries
     if hay < 3 * n_needles:
-        raise ValueError(f"length {length} is too short for {n_needles} needles and {n_queries} queries")
+        raise InputError(f"length {length} is too short for {n_needles} needles and {n_queries} queries")
     if depth is not None and not 0.0 <= depth <= 1.0:
-        raise ValueError(f"depth must be in [0, 1], got {depth}")
+        raise InputError(f"depth must be in [0, 1], got {depth}")
     tokens = torch.randint(0, NEEDLE_CONTENT, (batch, length), generator=gen)
     targets = torch.full((batch, length), IGNORE)
     answer_pos = torch.empty(batch, dtype=torch.long)
@@ -126,9 +128,9 @@ class ICLEpisodes:
 def icl_episodes(gen: torch.Generator, batch: int, n_classes: int, shots: int, balanced: bool = False) -> ICLEpisodes:
     """B episodes with C classes and k demonstrations (classes drawn uniformly, or k/C of each when balanced)."""
     if not 2 <= n_classes <= MAX_CLASSES:
-        raise ValueError(f"n_classes must be in [2, {MAX_CLASSES}], got {n_classes}")
+        raise InputError(f"n_classes must be in [2, {MAX_CLASSES}], got {n_classes}")
     if balanced and shots % n_classes:
-        raise ValueError(f"balanced episodes need shots divisible by n_classes, got {shots} and {n_classes}")
+        raise InputError(f"balanced episodes need shots divisible by n_classes, got {shots} and {n_classes}")
     features = torch.stack(
         [torch.randperm(ICL_FEATURES, generator=gen)[: n_classes * FEATURES_PER_CLASS] for _ in range(batch)]
     ).view(batch, n_classes, FEATURES_PER_CLASS)
@@ -185,7 +187,7 @@ def demo_order(gen: torch.Generator, classes: torch.Tensor, arrangement: str) ->
     if arrangement == "random":
         return torch.rand(b, k, generator=gen).argsort(-1)
     if arrangement not in ("grouped", "alternating"):
-        raise ValueError(f"unknown arrangement {arrangement!r}; choose random, grouped or alternating")
+        raise InputError(f"unknown arrangement {arrangement!r}; choose random, grouped or alternating")
     n_classes = int(classes.max()) + 1
     class_rank = torch.rand(b, n_classes, generator=gen).argsort(-1).argsort(-1)  # the position of each class
     within = torch.rand(b, k, generator=gen).argsort(-1).argsort(-1).double() / k  # random tie-break in a class

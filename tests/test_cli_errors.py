@@ -1,0 +1,223 @@
+"""Bad invocations of every command: each exits 2 with one line that names the problem (and the flag), never a
+traceback, and leaves every existing file as it was.
+
+DIFFTX_BAD_INPUTS_REPORT=path writes the table (invocation, exit code, message) as Markdown.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shlex
+import shutil
+from pathlib import Path
+
+import pytest
+import transformers
+from conftest import SMALL, small_config, write_corpus
+
+from difftransformer.cli import main
+from difftransformer.corpus import find_files, iter_documents
+from difftransformer.data import prepare, verify_data
+from difftransformer.tokenizer import train_bpe
+from difftransformer.train import train
+
+REPORT: list[tuple[str, int, str]] = []
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory) -> Path:
+    """Data, runs (finished, damaged, mismatched), bad files and foreign model directories to misuse."""
+    root = tmp_path_factory.mktemp("world")
+    corpus = write_corpus(root / "corpus")
+    docs = lambda: iter_documents(find_files([corpus]))  # noqa: E731
+    from difftransformer.tokenizer import ByteTokenizer
+
+    prepare(docs(), ByteTokenizer(), root / "data", val_every=10)
+    prepare(docs(), train_bpe(docs(), 300, root / "tok"), root / "data-bpe", val_every=10)
+    verify_data(root / "data")  # the checksum cache exists, so no invocation below needs to write it
+    verify_data(root / "data-bpe")
+    train(small_config(root / "data", root / "run", max_steps=4, ckpt_interval=4, eval_interval=4), quiet=True)
+    for name in ("corrupt", "badconfig", "mismatch"):
+        shutil.copytree(root / "run", root / name)
+    model = root / "corrupt" / "checkpoints" / "step_00000004" / "model.safetensors"
+    data = bytearray(model.read_bytes())
+    data[-3] ^= 0xFF
+    model.write_bytes(bytes(data))
+    (root / "badconfig" / "train_config.json").write_text("{not json")
+    config = json.loads((root / "mismatch" / "model_config.json").read_text())
+    (root / "mismatch" / "model_config.json").write_text(json.dumps({**config, "n_layers": 3}))
+    (root / "bad.txt").write_bytes(b"caf\xe9 au lait")
+    (root / "x.csv").write_text("a,b\n")
+    (root / "bad.jsonl").write_text('{"text": "fine"}\n{"text": broken\n')
+    (root / "nofield.jsonl").write_text('{"body": "no text field"}\n')
+    (root / "small.txt").write_text("tiny")
+    (root / "garbage.json").write_text('{"this": "is not a tokenizer"}')
+    (root / "taken").mkdir()
+    (root / "taken" / "keep.txt").write_text("mine")
+    (root / "long.txt").write_text("word " * 200)
+    (root / "prompt.txt").write_text("the attention")
+    (root / "empty").mkdir()
+    (root / "empty" / "manifest.json").write_text("[1, 2")
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
+    gpt2.save_pretrained(root / "gpt2")
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+    rope = {"rope_parameters": {**yarn, "rope_theta": 1e4}} if transformers.__version__[0] >= "5" else {}
+    llama = transformers.LlamaConfig(
+        vocab_size=257, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, **rope
+    )
+    transformers.LlamaForCausalLM(llama).save_pretrained(root / "yarn")
+    config = json.loads((root / "yarn" / "config.json").read_text())
+    (root / "yarn" / "config.json").write_text(json.dumps({**config, "rope_theta": 1e4, "rope_scaling": yarn}))
+    shutil.copy(root / "tok" / "tokenizer.json", root / "yarn" / "tokenizer.json")
+    (root / "notjson").mkdir()
+    (root / "notjson" / "config.json").write_text("{oops")
+    return root
+
+
+TRAIN = "train --data {w}/data --out {w}/new --model " + shlex.quote(json.dumps(SMALL)) + " --quiet"
+CASES = [
+    # (command line, with {w} for the fixture directory; a phrase the one-line message must contain)
+    ("train", "needs --data"),
+    ("train --data {w}/nothing --out {w}/new", "does not exist; create it with 'difftx data prepare'"),
+    ("train --data {w}/small.txt --out {w}/new", "is not a directory"),
+    ("train --data {w}/corpus --out {w}/new", "has no manifest.json"),
+    ("train --data {w}/empty --out {w}/new", "manifest.json is not valid JSON"),
+    (TRAIN + " --grad-clip -1", "--grad-clip must be a finite number in (0, inf]"),
+    (TRAIN + " --grad-clip 0", "--grad-clip must be a finite number in (0, inf]"),
+    (TRAIN + " --grad-clip nan", "--grad-clip must be a finite number"),
+    (TRAIN + " --lr 0", "--lr must be a finite number in (0, 1]"),
+    (TRAIN + " --lr=-1e-3", "--lr must be a finite number in (0, 1]"),
+    (TRAIN + " --lr 2", "--lr must be a finite number in (0, 1]"),
+    (TRAIN + " --lr inf", "--lr must be a finite number in (0, 1]"),
+    (TRAIN + " --lr fast", "argument --lr: invalid float value: 'fast'"),
+    (TRAIN + " --batch-size 0", "--batch-size must be an integer in [1, 1,048,576]"),
+    (TRAIN + " --batch-size 5 --grad-accum 2", "--batch-size 5 is not divisible by --grad-accum 2"),
+    (TRAIN + " --grad-accum 0", "--grad-accum must be an integer in [1, 16]"),
+    (TRAIN + " --max-steps 0", "--max-steps must be an integer"),
+    (TRAIN + " --max-steps 100 --warmup-steps 500", "--warmup-steps must be an integer in [0, 100]"),
+    (TRAIN + " --seq-len 0", "--seq-len must be an integer in [1,"),
+    (TRAIN + " --seq-len 100000", "--seq-len 100000 exceeds the model's max_seq_len 256"),
+    (TRAIN + " --eval-interval 0", "--eval-interval must be an integer"),
+    (TRAIN + " --log-interval -1", "--log-interval must be an integer"),
+    (TRAIN + " --ckpt-interval 0", "--ckpt-interval must be an integer"),
+    (TRAIN + " --keep-last -1", "--keep-last must be an integer in [0,"),
+    (TRAIN + " --eval-tokens 0", "--eval-tokens must be an integer"),
+    (TRAIN + " --seed -1", "--seed must be an integer in [0,"),
+    (TRAIN + " --device gpu", "--device must be 'auto', 'cpu', 'cuda', 'cuda:N' or 'mps', got 'gpu'"),
+    (TRAIN + " --device cuda", "--device is 'cuda', but no CUDA GPU is available here"),
+    (TRAIN + " --device cuda:3", "--device is 'cuda:3', but no CUDA GPU is available here"),
+    (TRAIN + " --threads 0", "--threads must be an integer in [1, 1,024]"),
+    (TRAIN + " --weight-decay -0.1", "--weight-decay must be a finite number in [0, 1]"),
+    (TRAIN + " --weight-decay 2", "--weight-decay must be a finite number in [0, 1]"),
+    (TRAIN + " --max-nonfinite-steps 0", "--max-nonfinite-steps must be an integer"),
+    (TRAIN + " --model '{bad'", "--model is not valid JSON"),
+    (TRAIN + " --model '[1, 2]'", "--model must hold a JSON object, got list"),
+    (TRAIN + " --model '{\"n_layer\": 2}'", "--model has 'n_layer', which is not a ModelConfig field"),
+    (TRAIN + " --model '{\"n_layers\": 0}'", "n_layers (in --model) must be an integer in [1, 1,024], got 0"),
+    (TRAIN + " --model '{\"d_model\": 100}'", "d_model (in --model) 100 is not divisible by n_heads (in --model) 8"),
+    (TRAIN + ' --model \'{"attention": "standard"}\'', "--model must not set attention; use --attention"),
+    (TRAIN + " --model '{\"vocab_size\": 300}'", "--model sets vocab_size 300, but the data's tokenizer has 257"),
+    (TRAIN + " --model '{\"rope_theta\": -5}'", "rope_theta (in --model) must be a finite number in (0, inf]"),
+    (TRAIN + " --preset huge", "--preset must be one of 'tiny', 'small'"),
+    (TRAIN + " --attention flash", "argument --attention: invalid choice: 'flash'"),
+    ("train --data {w}/data --out {w}/run", "run directory {w}/run already exists and is not empty"),
+    ("train --data {w}/data --out {w}/taken", "run directory {w}/taken already exists and is not empty"),
+    (TRAIN + " --init-from {w}/nothing", "model config {w}/nothing/model_config.json does not exist"),
+    (
+        "train --data {w}/data-bpe --out {w}/new --init-from {w}/run",
+        "uses the tokenizer byte-257, the data in {w}/data-bpe hf-",
+    ),
+    ("train --resume {w}/nothing", "{w}/nothing is not a run directory (train_config.json is missing)"),
+    ("train --resume {w}/run --lr 0.1", "--lr cannot change when resuming (the run has 0.0015)"),
+    ("train --resume {w}/run --out {w}/other", "--out cannot be given when resuming"),
+    ("train --resume {w}/run --max-steps 2", "max_steps 2 is below the step the run {w}/run has reached, 4"),
+    ("train --resume {w}/run --model '{\"n_layers\": 3}'", "--model cannot change when resuming"),
+    ("train --resume {w}/run --dtype float32", "--dtype cannot change when resuming"),
+    ("train --resume {w}/run --init-from {w}/run", "--init-from cannot change when resuming"),
+    ("train --resume {w}/run --data {w}/data-bpe", "was tokenised with hf-"),
+    ("train --resume {w}/run --data {w}/nothing", "--data {w}/nothing of the run {w}/run is not there"),
+    ("train --resume {w}/corrupt --max-steps 8", "model.safetensors does not match its checksum"),
+    ("train --resume {w}/badconfig", "train_config.json is not valid JSON"),
+    ("train --resume {w}/mismatch --max-steps 8", "does not match {w}/mismatch/model_config.json"),
+    ("data prepare --input {w}/corpus --out {w}/d --val-every 1", "--val-every must be an integer in [2,"),
+    ("data prepare --input {w}/corpus --out {w}/d --val-every 0", "--val-every must be an integer in [2,"),
+    ("data prepare --input {w}/corpus --out {w}/d --val-every 100000", "--val-every 100000 leaves no validation"),
+    ("data prepare --input {w}/nothing --out {w}/d", "input {w}/nothing does not exist"),
+    ("data prepare --input {w}/x.csv --out {w}/d", "unsupported file type '.csv'"),
+    ("data prepare --input {w}/bad.txt --out {w}/d", "{w}/bad.txt is not valid UTF-8 (byte 3"),
+    ("data prepare --input {w}/bad.jsonl --out {w}/d", "{w}/bad.jsonl:2 is not valid JSON"),
+    ("data prepare --input {w}/nofield.jsonl --out {w}/d", "has no string field 'text'"),
+    ("data prepare --input {w}/corpus --out {w}/d --text-field ''", "--text-field must be a non-empty string"),
+    ("data prepare --input {w}/corpus --out {w}/d --tokenizer {w}/no.json", "tokenizer file {w}/no.json does not"),
+    ("data prepare --input {w}/corpus --out {w}/d --tokenizer {w}/garbage.json", "is not a valid tokenizer.json"),
+    ("data prepare --input {w}/corpus --out {w}/d --tokenizer bpe", "unknown tokenizer 'bpe'"),
+    ("data prepare --input {w}/corpus --out {w}/taken", "data directory {w}/taken already exists"),
+    ("data prepare --input {w}/small.txt --out {w}/d", "at least 128 are needed"),
+    ("data verify {w}/nothing", "data directory {w}/nothing does not exist"),
+    ("data verify {w}/empty", "manifest.json is not valid JSON"),
+    ("tokenizer train --input {w}/corpus --out {w}/t --vocab-size 10", "--vocab-size must be an integer in [258,"),
+    ("tokenizer train --input {w}/corpus --out {w}/taken", "tokenizer directory {w}/taken already exists"),
+    ("generate --run {w}/run --prompt hi --temperature -1", "--temperature must be a finite number in [0, 100]"),
+    ("generate --run {w}/run --prompt hi --temperature nan", "--temperature must be a finite number"),
+    ("generate --run {w}/run --prompt hi --top-p 0", "--top-p must be a finite number in (0, 1]"),
+    ("generate --run {w}/run --prompt hi --top-p 1.5", "--top-p must be a finite number in (0, 1]"),
+    ("generate --run {w}/run --prompt hi --top-k 0", "--top-k must be an integer >= 1"),
+    ("generate --run {w}/run --prompt hi --max-new-tokens 0", "--max-new-tokens must be an integer in [1,"),
+    ("generate --run {w}/run --prompt hi --seed -1", "--seed must be an integer in [0,"),
+    ("generate --run {w}/run --prompt hi --threads 0", "argument --threads: must be at least 1, got 0"),
+    ("generate --run {w}/nothing --prompt hi", "run directory {w}/nothing does not exist"),
+    ("generate --run {w}/corpus --prompt hi", "is not a run directory: model_config.json is missing"),
+    ("generate --run {w}/run --prompt ''", "prompt 0 is empty"),
+    ("generate --run {w}/run --prompt " + "x" * 300, "prompt 0 has 300 tokens"),
+    ("generate --run {w}/corrupt --prompt hi", "model.safetensors does not match its checksum"),
+    ("generate --run {w}/mismatch --prompt hi", "does not match {w}/mismatch/model_config.json"),
+    ("convert --out {w}/c", "give either --run RUN --to hf, or --from-hf DIR"),
+    ("convert --run {w}/run --from-hf {w}/gpt2 --out {w}/c", "give either --run RUN --to hf, or --from-hf DIR"),
+    ("convert --from-hf {w}/nothing --out {w}/c", "config.json is missing"),
+    ("convert --from-hf {w}/gpt2 --out {w}/c", "holds ['GPT2LMHeadModel']"),
+    ("convert --from-hf {w}/notjson --out {w}/c", "config.json is not valid JSON"),
+    ("convert --from-hf {w}/yarn --out {w}/c", "rotary scaling 'yarn' is not supported"),
+    ("convert --run {w}/run --out {w}/taken", "output directory {w}/taken already exists"),
+    ("convert --run {w}/corrupt --out {w}/c", "model.safetensors does not match its checksum"),
+    ("analyze attention --run {w}/run --prompt-file {w}/nothing.txt --out {w}/a.png", "{w}/nothing.txt does not exist"),
+    ("analyze attention --run {w}/run --prompt-file {w}/long.txt --out {w}/a.png", "longer than"),
+    ("analyze attention --run {w}/run --prompt-file {w}/bad.txt --out {w}/a.png", "is not valid UTF-8"),
+    ("analyze attention --run {w}/run --prompt-file {w}/prompt.txt --out {w}/a.png --layer 9", "--layer 9 is out"),
+    ("analyze attention --run {w}/run --prompt-file {w}/prompt.txt --out {w}/a.csv", "must name a .png file"),
+    ("bench attention --threads 0", "argument --threads: must be at least 1, got 0"),
+    ("bench attention --device cuda", "--device is 'cuda', but no CUDA GPU is available here"),
+    ("repro needle --seeds 0", "argument --seeds: must be at least 1, got 0"),
+    ("demo --steps 0", "argument --steps: must be at least 1, got 0"),
+    ("presets --bogus", "unrecognized arguments: --bogus"),
+]
+
+
+def snapshot(root: Path) -> dict[str, str]:
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
+        for p in sorted(root.rglob("*"))
+    }
+
+
+@pytest.mark.parametrize("line, phrase", CASES, ids=[c[0][:60] for c in CASES])
+def test_bad_invocation_exits_2_with_one_line_and_changes_nothing(world, line, phrase, capsys):
+    argv = shlex.split(line.replace("{w}", str(world)))
+    before = snapshot(world)
+    code = main(argv)
+    out = capsys.readouterr()
+    message = out.err.strip()
+    REPORT.append((" ".join(argv).replace(str(world), "W"), code, message.replace(str(world), "W")))
+    assert code == 2, (argv, out.err, out.out)
+    assert len(message.splitlines()) == 1 and message.startswith("difftx"), message
+    assert phrase.replace("{w}", str(world)) in message, message
+    assert snapshot(world) == before  # nothing existing changed, nothing new left behind
+
+
+def test_write_report():
+    path = os.environ.get("DIFFTX_BAD_INPUTS_REPORT")
+    assert len(REPORT) == len(CASES) or not REPORT  # all ran (or this test runs alone)
+    if path and REPORT:
+        rows = [f"| `{argv}` | {code} | {msg.replace('|', '/')} |" for argv, code, msg in REPORT]
+        Path(path).write_text("| invocation | exit | message |\n|---|---|---|\n" + "\n".join(rows) + "\n")
