@@ -161,6 +161,8 @@ def _train(args: argparse.Namespace) -> int:
             )
         rows = trainer.fit()
     except Interrupted as err:
+        if not main:  # the main process says it, once
+            return 128 + err.signum
         err.args = (f"{err}. Resume with: difftx train --resume {cfg.out}",)
         raise
     finally:

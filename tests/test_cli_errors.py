@@ -221,3 +221,16 @@ def test_write_report():
     if path and REPORT:
         rows = [f"| `{argv}` | {code} | {msg.replace('|', '/')} |" for argv, code, msg in REPORT]
         Path(path).write_text("| invocation | exit | message |\n|---|---|---|\n" + "\n".join(rows) + "\n")
+
+
+def test_a_defect_keeps_its_traceback(monkeypatch):
+    """Only user errors become one line: an exception from inside the code (here a plain ValueError) propagates,
+    so `difftx` shows its traceback and exits 1."""
+    import difftransformer.cli as cli
+
+    def broken(_args):
+        raise ValueError("an internal invariant broke")
+
+    monkeypatch.setattr(cli, "_presets", broken)
+    with pytest.raises(ValueError, match="an internal invariant broke"):
+        main(["presets"])

@@ -156,3 +156,35 @@ def test_a_failed_checkpoint_write_is_a_clear_error_and_the_last_one_stays(prepa
     load_checkpoint(list_checkpoints(run)[-1])
     subprocess.run(cli("train", "--resume", str(run), "--quiet"), check=True, timeout=600)
     assert losses(run) == losses(tmp_path / "full")
+
+
+def test_sigterm_to_torchrun_stops_every_process_at_the_same_step(prepared, tmp_path):
+    """torchrun passes SIGTERM to its workers; they agree on the step to stop after (an all-reduce each step), the
+    main process writes the checkpoint, and the run resumes in one process to the losses of one that never
+    stopped."""
+    flags = train_flags(prepared, max_steps=300, eval_interval=50, ckpt_interval=1000)
+    subprocess.run(cli("train", *flags, "--out", str(tmp_path / "full")), check=True, timeout=600)
+    run = tmp_path / "run"
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    proc = subprocess.Popen(
+        [*torchrun, "-m", "difftransformer", "train", *flags, "--out", str(run), "--parallel", "ddp"],
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    deadline = time.time() + 180
+    while time.time() < deadline and not ((run / "metrics.jsonl").is_file() and len(rows(run)) >= 5):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=180)
+    step = rows(run)[-1]["step"]
+    assert 5 <= step < 300
+    assert [p.name for p in list_checkpoints(run)] == [f"step_{step:08d}"]
+    said = [line for line in err.splitlines() if line.startswith("difftx train: interrupted")]
+    assert said == [
+        f"difftx train: interrupted: stopped by SIGTERM at step {step}; checkpoint "
+        f"{run / 'checkpoints' / f'step_{step:08d}'}. Resume with: difftx train --resume {run}"
+    ]
+    subprocess.run(cli("train", "--resume", str(run), "--parallel", "none", "--quiet"), check=True, timeout=600)
+    for (s1, a), (s2, b) in zip(losses(run), losses(tmp_path / "full"), strict=True):
+        assert s1 == s2 and abs(a - b) < 1e-5
