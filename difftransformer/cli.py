@@ -128,12 +128,14 @@ def _tokenizer_train(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
+    from difftransformer.distributed import unwrap
     from difftransformer.errors import InputError, Interrupted
+    from difftransformer.fsutil import parse_json_object
     from difftransformer.train import TrainConfig, Trainer, resume_config
 
     given = {k: v for k, v in vars(args).items() if k in TRAIN_FIELDS and v is not None}
     if args.model is not None:
-        given["model"] = _json_object(args.model, "--model")
+        given["model"] = parse_json_object(args.model, "--model")
     if args.resume:
         cfg, resume = resume_config(args.resume, out=args.out, **given), True
     elif not args.data:
@@ -152,7 +154,7 @@ def _train(args: argparse.Namespace) -> int:
                 )
             return 0
         if main:
-            n = unwrap_model(trainer.model).num_parameters()
+            n = unwrap(trainer.model).num_parameters()
             print(
                 f"difftx train: {cfg.out}: {trainer.model_config.attention} model, {n:,} parameters; steps "
                 f"{trainer.step_idx + 1}-{cfg.max_steps} of {cfg.batch_size} x {cfg.seq_len} tokens on "
@@ -176,18 +178,6 @@ def _train(args: argparse.Namespace) -> int:
             "--prompt TEXT"
         )
     return 0
-
-
-def unwrap_model(model):
-    from difftransformer.distributed import unwrap
-
-    return unwrap(model)
-
-
-def _json_object(text: str, flag: str) -> dict:
-    from difftransformer.fsutil import parse_json_object
-
-    return parse_json_object(text, flag)
 
 
 TRAIN_FIELDS = (

@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from difftransformer.errors import ConfigError, InputError
-from difftransformer.fsutil import check_new_dir, read_text, write_new_dir
+from difftransformer.fsutil import check_new_dir, parse_json_object, read_text, write_new_dir
 
 TEXT_SUFFIXES = (".txt", ".md")
 JSONL_SUFFIX = ".jsonl"
@@ -61,13 +61,8 @@ def iter_documents(files: list[Path], text_field: str = "text") -> Iterator[str]
         for number, line in enumerate(text.split("\n"), 1):
             if not line.strip():
                 continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise InputError(f"{path}:{number} is not valid JSON: {err.msg} (column {err.colno})") from None
-            except RecursionError:
-                raise InputError(f"{path}:{number} is nested too deeply to be read") from None
-            if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
+            record = parse_json_object(line, f"{path}:{number}")
+            if not isinstance(record.get(text_field), str):
                 raise InputError(f"{path}:{number} has no string field {text_field!r} (set it with --text-field)")
             if record[text_field].strip():
                 yield record[text_field]

@@ -222,7 +222,7 @@ class Trainer:
             if self.world.is_main:
                 write_text_atomic(self.run_dir / METRICS, "")
         if resume:
-            self._rewrite_train_config()
+            self._write_train_config()
         else:
             self._start_run_dir()
 
@@ -236,13 +236,13 @@ class Trainer:
                 created = False
             self.lock = RunLock(self.run_dir)
             self.created_dir = created
-            check_new_dir(self.run_dir, "run directory", allow=(LOCK,))
-            self._rewrite_train_config()
+            check_new_dir(self.run_dir, "run directory", allow=(LOCK,))  # again, now that no one else can write
+            self._write_train_config()
             self.model_config.to_json(self.run_dir / MODEL_CONFIG)
             self.tokenizer.save(self.run_dir)
             (self.run_dir / METRICS).write_text("")
 
-    def _rewrite_train_config(self) -> None:
+    def _write_train_config(self) -> None:
         """train_config.json as this run now trains (absolute paths, and what a resume changed)."""
         if self.world.is_main:
             saved = self.cfg.to_dict()
@@ -276,9 +276,11 @@ class Trainer:
         self.nonfinite_in_a_row = meta.get("nonfinite_in_a_row", 0)
         torch.set_rng_state(torch.tensor(meta["rng_torch"], dtype=torch.uint8))
         if self.step_idx > self.cfg.max_steps:
-            raise InputError(
-                f"max_steps {self.cfg.max_steps} is below the step the run {self.run_dir} has reached, "
-                f"{self.step_idx}; give a larger one to train further"
+            raise ConfigError(
+                "TrainConfig",
+                "max_steps",
+                f"{self.cfg.max_steps} is below the step the run {self.run_dir} has reached, {self.step_idx}; give a "
+                "larger one to train further",
             )
         recorded = meta.get("data", {}).get("id")
         if recorded is not None and recorded != data_identity(self.train_data.manifest):
@@ -288,9 +290,12 @@ class Trainer:
             )
         if self.world.is_main:  # drop metrics written after the checkpoint: they will be written again
             metrics = self.run_dir / METRICS
-            rows = metrics.read_text().splitlines() if metrics.is_file() else []
-            kept = [r for r in rows if r and json.loads(r)["step"] <= self.step_idx]
-            write_text_atomic(metrics, "".join(r + "\n" for r in kept))
+            rows = metrics.read_text(errors="replace").splitlines() if metrics.is_file() else []
+            steps = [(r, _step_of(r)) for r in rows if r.strip()]
+            if any(step is None for _, step in steps):
+                self._note(f"{metrics} has lines that are not metrics rows; they are dropped")
+            kept = "".join(r + "\n" for r, step in steps if step is not None and step <= self.step_idx)
+            write_text_atomic(metrics, kept)
 
     def _remove_failed_start(self) -> None:
         """A run that fails before its first checkpoint leaves nothing behind in a directory it created."""
@@ -428,6 +433,15 @@ class Trainer:
                 f"without saving; its last checkpoint ({last}) is intact. Lower the learning rate (a new run with "
                 "init_from) or check the data"
             )
+
+
+def _step_of(row: str) -> int | None:
+    """The step of a metrics.jsonl line (None for a line that is not a metrics row)."""
+    try:
+        step = json.loads(row).get("step")
+    except (json.JSONDecodeError, AttributeError):
+        return None
+    return step if isinstance(step, int) else None
 
 
 class _no_sync:

@@ -132,7 +132,7 @@ CASES = [
     ("train --resume {w}/nothing", "{w}/nothing is not a run directory (train_config.json is missing)"),
     ("train --resume {w}/run --lr 0.1", "--lr cannot change when resuming (the run has 0.0015)"),
     ("train --resume {w}/run --out {w}/other", "--out cannot be given when resuming"),
-    ("train --resume {w}/run --max-steps 2", "max_steps 2 is below the step the run {w}/run has reached, 4"),
+    ("train --resume {w}/run --max-steps 2", "--max-steps 2 is below the step the run {w}/run has reached, 4"),
     ("train --resume {w}/run --model '{\"n_layers\": 3}'", "--model cannot change when resuming"),
     ("train --resume {w}/run --dtype float32", "--dtype cannot change when resuming"),
     ("train --resume {w}/run --init-from {w}/run", "--init-from cannot change when resuming"),
