@@ -112,23 +112,34 @@ def hf_to_run(hf_dir: str | Path, out_dir: str | Path, attention: str | None = N
 
 
 def _imported_tokenizer(hf_dir: Path, hf_config: dict) -> HFTokenizer | ByteTokenizer:
-    """The directory's tokenizer.json with the model's special tokens: its end tokens (from the generation
-    config, else the model config; the first is the end-of-text token, the others stop generation too) and its
-    begin-of-text token. Without end tokens, ``<|endoftext|>``."""
-    generation = hf_dir / "generation_config.json"
-    settings = {**hf_config, **(read_json_object(generation) if generation.is_file() else {})}
+    """The directory's tokenizer.json with the model's special tokens.
+
+    The end-of-text token is the model config's (first) ``eos_token_id``, else the generation config's; the
+    generation config's other end ids stop generation too when they are special tokens (Llama 3's ``<|eot_id|>``),
+    and so does the begin-of-text id (``bos_token_id``): ids of ordinary tokens there are left out, as exports of
+    earlier versions of this library wrote Llama's default ids 1 and 2 into them. Without end ids,
+    ``<|endoftext|>``."""
+    generation_path = hf_dir / "generation_config.json"
+    generation = read_json_object(generation_path) if generation_path.is_file() else {}
     tok = read_tokenizer_file(hf_dir / HF_FILE)
+    special_ids = {i for i, t in tok.get_added_tokens_decoder().items() if t.special}
 
-    def token(token_id, role: str) -> str:
-        name = tok.id_to_token(token_id) if isinstance(token_id, int) and not isinstance(token_id, bool) else None
-        if name is None:
-            raise InputError(f"{hf_dir}: the {role} token id {token_id!r} is not in {HF_FILE}")
-        return name
+    def ids(value) -> list[int]:
+        values = value if isinstance(value, list) else [] if value is None else [value]
+        for i in values:
+            if not isinstance(i, int) or isinstance(i, bool) or tok.id_to_token(i) is None:
+                raise InputError(f"{hf_dir}: the special token id {i!r} is not in {HF_FILE}")
+        return values
 
-    eos = settings.get("eos_token_id")
-    ends = [] if eos is None else [token(i, "end") for i in (eos if isinstance(eos, list) else [eos])]
-    bos = settings.get("bos_token_id")
-    special = {"eot": ends[0] if ends else EOT, "stop": ends[1:], "bos": None if bos is None else token(bos, "begin")}
+    own, listed = ids(hf_config.get("eos_token_id")), ids(generation.get("eos_token_id"))
+    ends = own[:1] or listed[:1]
+    ends += [i for i in own[1:] + listed if i not in ends and i in special_ids]
+    bos = [i for i in ids(hf_config.get("bos_token_id", generation.get("bos_token_id"))) if i in special_ids]
+    special = {
+        "eot": tok.id_to_token(ends[0]) if ends else EOT,
+        "stop": [tok.id_to_token(i) for i in ends[1:]],
+        "bos": tok.id_to_token(bos[0]) if bos else None,
+    }
     if special == {"eot": EOT, "stop": [], "bos": None} and _is_exported_byte_tokenizer(tok):
         return ByteTokenizer()  # our own byte tokenizer, back from an export: same ids, same fingerprint
     return HFTokenizer(tok, str(hf_dir / HF_FILE), **special)

@@ -118,6 +118,8 @@ def run_demo(
             f"{d['tokens_per_s']:>11,.0f} {s['tokens_per_s']:>10,.0f}",
             flush=True,
         )
+    for trainer in trainers.values():
+        trainer.close()  # both runs are complete: release their directories
 
     tok = trainers["diff"].tokenizer
     samples = {kind: [] for kind in KINDS}

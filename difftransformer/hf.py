@@ -105,7 +105,6 @@ def _rope_of(hf_config) -> tuple[float, dict | None]:
     params = dict(params)
     rope_type = params.pop("rope_type", params.pop("type", "default"))
     theta = float(params.pop("rope_theta", 10000.0))
-    params.pop("type", None)
     if rope_type == "default":
         return theta, None
     if rope_type not in ROPE_SCALINGS:

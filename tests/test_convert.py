@@ -147,3 +147,20 @@ def test_llama_converted_to_diff_starts_close_and_trains(prepared, tmp_path):
     train(tuned, quiet=True)
     after, _ = load_run(tmp_path / "diff1")
     assert loss(after) < converted
+
+
+def test_exports_of_earlier_versions_import_with_the_right_end_token(prepared, tmp_path):
+    """Exports written before the token ids were made consistent say eos 2 and bos 1 (Llama's defaults) in the
+    generation config, and bos 1 in the model config: those ordinary byte tokens are not taken for special ones."""
+    import json
+
+    from difftransformer.tokenizer import ByteTokenizer
+
+    run = small_run(prepared, tmp_path / "run", "diff")
+    assert main(["convert", "--run", str(run), "--out", str(tmp_path / "hf")]) == 0
+    config, generation = (tmp_path / "hf" / "config.json"), (tmp_path / "hf" / "generation_config.json")
+    config.write_text(json.dumps({**json.loads(config.read_text()), "bos_token_id": 1}))
+    generation.write_text(json.dumps({**json.loads(generation.read_text()), "bos_token_id": 1, "eos_token_id": 2}))
+    assert main(["convert", "--from-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "back")]) == 0
+    _, tok = load_run(tmp_path / "back")
+    assert isinstance(tok, ByteTokenizer) and tok.stop_ids == [256] and tok.bos_id is None
