@@ -168,6 +168,7 @@ class Trainer:
         self.train_data = TokenData(cfg.data, "train")
         self.val_data = TokenData(cfg.data, "val")
         data_tok = self.train_data.manifest["tokenizer"]
+        self.data_record = {"path": str(Path(cfg.data).resolve()), "id": data_identity(self.train_data.manifest)}
         self.tokenizer = self.train_data.tokenizer()
         if resume:
             run_tok = load_tokenizer(self.run_dir)
@@ -283,7 +284,7 @@ class Trainer:
                 "larger one to train further",
             )
         recorded = meta.get("data", {}).get("id")
-        if recorded is not None and recorded != data_identity(self.train_data.manifest):
+        if recorded is not None and recorded != self.data_record["id"]:
             self._note(
                 f"the data in {self.cfg.data} differs from the data step {self.step_idx} was trained on (prepared "
                 "again?); training goes on with it, so the run will differ from one that was never interrupted"
@@ -324,7 +325,7 @@ class Trainer:
                 "nonfinite_in_a_row": self.nonfinite_in_a_row,
                 "model_config": self.model_config.to_dict(),
                 "train_config": self.cfg.to_dict(),
-                "data": {"path": str(Path(self.cfg.data).resolve()), "id": data_identity(self.train_data.manifest)},
+                "data": self.data_record,
             }
             path = save_checkpoint(self.run_dir, self.step_idx, model_sd, optim_sd, meta, self.cfg.keep_last)
         self.saved_step = self.step_idx

@@ -179,3 +179,20 @@ def test_damaged_shard_is_caught_at_start(prepared, tmp_path, capsys):
     assert main(["train", "--data", str(prepared), "--out", str(tmp_path / "run"), "--max-steps", "2"]) == 2
     assert f"shard {shard} does not match its checksum" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
+
+
+def test_data_prepared_again_in_place_is_noted(prepared, tmp_path, capsys):
+    from conftest import write_corpus
+
+    from difftransformer.corpus import find_files, iter_documents
+    from difftransformer.data import prepare
+    from difftransformer.tokenizer import ByteTokenizer
+
+    data = tmp_path / "data-here"
+    shutil.copytree(prepared, data)
+    run = half_run(data, tmp_path / "run")
+    shutil.rmtree(data)
+    other = write_corpus(tmp_path / "other-corpus", seed=1)
+    prepare(iter_documents(find_files([other])), ByteTokenizer(), data, val_every=10)
+    assert main(["train", "--resume", str(run), "--quiet"]) == 0
+    assert f"the data in {data} differs from the data step 8 was trained on" in capsys.readouterr().err
