@@ -207,7 +207,8 @@ def llamas(tmp_path_factory) -> dict:
 
 def test_llama_family_checkpoints_import_with_their_tokens_and_scaling(llamas, tmp_path, capsys):
     assert len(llamas) == 2 * (1 + len(other_pythons()))
-    for key, hf in llamas.items():
+    reported = []
+    for key, hf in sorted(llamas.items()):
         out = tmp_path / key.replace("|", "-")
         assert main(["convert", "--from-hf", hf["dir"], "--out", str(out)]) == 0, capsys.readouterr().err
         model, tok = load_run(out)
@@ -220,3 +221,8 @@ def test_llama_family_checkpoints_import_with_their_tokens_and_scaling(llamas, t
         ours = generate(model, prompt, NEW_TOKENS, temperature=0, stop_tokens=tok.stop_ids)
         assert len(hf["generated"]) < NEW_TOKENS and hf["generated"][-1] in tok.stop_ids, key  # it did stop
         assert ours == hf["generated"][:-1], key
+        reported.append(f"| {key.replace('|', ' | ')} | {error:.1e} | {len(ours)} | {len(hf['generated']) - 1} |")
+    if os.environ.get("DIFFTX_INTEROP_REPORT"):
+        with open(os.environ["DIFFTX_INTEROP_REPORT"], "a") as f:
+            f.write("\n| Llama checkpoint | written by | logit error | ours stops at | HF stops at |\n")
+            f.write("|---|---|---|---|---|\n" + "\n".join(reported) + "\n")
