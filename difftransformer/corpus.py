@@ -22,7 +22,7 @@ import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from difftransformer.errors import ConfigError, InputError
+from difftransformer.errors import Fields, InputError
 from difftransformer.fsutil import check_new_dir, parse_json_object, read_text, write_new_dir
 
 TEXT_SUFFIXES = (".txt", ".md")
@@ -50,8 +50,7 @@ def find_files(inputs: list[str | Path]) -> list[Path]:
 
 def iter_documents(files: list[Path], text_field: str = "text") -> Iterator[str]:
     """Documents of the given files: a whole .txt/.md file, or the ``text_field`` of each .jsonl line."""
-    if not isinstance(text_field, str) or not text_field:
-        raise ConfigError("iter_documents", "text_field", f"must be a non-empty string, got {text_field!r}")
+    Fields.of("iter_documents", text_field=text_field).text("text_field")
     for path in files:
         text = read_text(path)
         if path.suffix != JSONL_SUFFIX:

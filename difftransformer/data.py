@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from difftransformer.errors import ConfigError, InputError
+from difftransformer.errors import ConfigError, Fields, InputError
 from difftransformer.fsutil import read_json_object, write_new_dir, write_text_atomic
 from difftransformer.tokenizer import Tokenizer, load_tokenizer
 
@@ -56,10 +56,9 @@ def prepare(
     """Tokenise ``documents`` into train/val shards under ``out_dir``; return the manifest.
 
     ``val_every`` >= 2: every val_every-th chunk of the stream goes to validation (both splits must get text)."""
-    if isinstance(val_every, bool) or not isinstance(val_every, int) or not 2 <= val_every <= 1 << 20:
-        raise ConfigError("prepare", "val_every", f"must be an integer in [2, 1,048,576], got {val_every!r}")
-    if isinstance(shard_tokens, bool) or not isinstance(shard_tokens, int) or shard_tokens < 1:
-        raise ConfigError("prepare", "shard_tokens", f"must be a positive integer, got {shard_tokens!r}")
+    check = Fields.of("prepare", val_every=val_every, shard_tokens=shard_tokens)
+    check.integer("val_every", 2, 1 << 20)
+    check.integer("shard_tokens", 1)
     return write_new_dir(
         out_dir,
         "data directory",

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable, Iterable
+from types import SimpleNamespace
 from typing import Any
 
 
@@ -48,15 +49,24 @@ class Fields:
     def __init__(self, obj: Any) -> None:
         self.obj, self.owner = obj, type(obj).__name__
 
+    @classmethod
+    def of(cls, owner: str, **values: Any) -> Fields:
+        """Checks of a function's arguments, reported as fields of ``owner``."""
+        checks = cls(SimpleNamespace(**values))
+        checks.owner = owner
+        return checks
+
     def fail(self, field: str, problem: str) -> None:
         raise ConfigError(self.owner, field, problem)
 
-    def integer(self, field: str, low: int | None = None, high: int | None = None, optional: bool = False) -> None:
+    def integer(
+        self, field: str, low: int | None = None, high: int | None = None, optional: bool = False, hint: str = ""
+    ) -> None:
         value = getattr(self.obj, field)
         if value is None and optional:
             return
         if not isinstance(value, int) or isinstance(value, bool) or not _within(value, low, high):
-            self.fail(field, f"must be {_describe('an integer', low, high, optional)}, got {value!r}")
+            self.fail(field, f"must be {_describe('an integer', low, high, optional)}{hint}, got {value!r}")
 
     def number(
         self,

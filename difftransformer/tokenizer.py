@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from difftransformer.errors import ConfigError, InputError
+from difftransformer.errors import Fields, InputError
 from difftransformer.fsutil import read_json_object
 
 EOT = "<|endoftext|>"
@@ -243,12 +243,9 @@ def train_bpe(texts: Iterator[str], vocab_size: int, out_dir: str | Path) -> HFT
     """Train a byte-level BPE tokenizer locally (Hugging Face ``tokenizers``) and save it to ``out_dir``."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or not 258 <= vocab_size <= 1 << 20:
-        raise ConfigError(
-            "train_bpe",
-            "vocab_size",
-            f"must be an integer in [258, 1,048,576] (256 bytes, the end token and merges), got {vocab_size!r}",
-        )
+    Fields.of("train_bpe", vocab_size=vocab_size).integer(
+        "vocab_size", 258, 1 << 20, hint=" (256 bytes, the end token and merges)"
+    )
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()

@@ -1,3 +1,5 @@
+import json
+
 import pytest
 import torch
 
@@ -76,3 +78,42 @@ def small_config(prepared, out, **overrides):
         threads=1,
     )
     return TrainConfig(**{**base, **overrides})
+
+
+def metric_rows(run_dir) -> list[dict]:
+    """The rows of a run's metrics.jsonl."""
+    from pathlib import Path
+
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def losses(run_dir) -> list[tuple[int, float]]:
+    """(step, training loss) of every logged row of a run."""
+    return [(r["step"], r["loss"]) for r in metric_rows(run_dir)]
+
+
+def train_args(prepared, **flags) -> list[str]:
+    """Command-line flags of `difftx train` for the small model, one thread, quiet."""
+    base = dict(
+        data=prepared, model=json.dumps(SMALL), seq_len=32, batch_size=4, log_interval=1, eval_tokens=256, threads=1
+    )
+    return [x for k, v in {**base, **flags}.items() for x in ("--" + k.replace("_", "-"), str(v))] + ["--quiet"]
+
+
+def difftx(*args: str) -> list[str]:
+    """The command line that runs `difftx` with this interpreter."""
+    import sys
+
+    return [sys.executable, "-m", "difftransformer", *args]
+
+
+def snapshot(root) -> dict[str, str]:
+    """Every file (by SHA-256) and directory under ``root``: equal snapshots mean nothing changed or appeared."""
+    import hashlib
+    from pathlib import Path
+
+    root = Path(root)
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
+        for p in sorted(root.rglob("*"))
+    }

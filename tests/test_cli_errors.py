@@ -6,7 +6,6 @@ DIFFTX_BAD_INPUTS_REPORT=path writes the table (invocation, exit code, message) 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shlex
@@ -15,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import transformers
-from conftest import SMALL, small_config, write_corpus
+from conftest import SMALL, small_config, snapshot, write_corpus
 
 from difftransformer.cli import main
 from difftransformer.corpus import find_files, iter_documents
@@ -192,13 +191,6 @@ CASES = [
     ("demo --steps 0", "argument --steps: must be at least 1, got 0"),
     ("presets --bogus", "unrecognized arguments: --bogus"),
 ]
-
-
-def snapshot(root: Path) -> dict[str, str]:
-    return {
-        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
-        for p in sorted(root.rglob("*"))
-    }
 
 
 @pytest.mark.parametrize("line, phrase", CASES, ids=[c[0][:60] for c in CASES])

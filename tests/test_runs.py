@@ -3,32 +3,18 @@ finished and failed runs say what happened, one trainer per run, killed writes a
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 from pathlib import Path
 
 import pytest
-from conftest import small_config
+from conftest import losses, small_config, snapshot
 
 from difftransformer.checkpoint import list_checkpoints, load_checkpoint
 from difftransformer.cli import main
 from difftransformer.data import verify_data
 from difftransformer.errors import InputError
 from difftransformer.train import Trainer, resume_config, train
-
-
-def losses(run_dir) -> list[tuple[int, float]]:
-    rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
-    return [(r["step"], r["loss"]) for r in rows]
-
-
-def tree(root: Path) -> dict[str, str]:
-    return {
-        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-        for p in sorted(root.rglob("*"))
-        if p.is_file()
-    }
 
 
 @pytest.fixture
@@ -48,11 +34,11 @@ def half_run(prepared, out: Path) -> Path:
 
 def test_copied_run_resumes_into_the_copy(prepared, tmp_path, full, capsys):
     original = half_run(prepared, tmp_path / "a")
-    before = tree(original)
+    before = snapshot(original)
     shutil.copytree(original, tmp_path / "b")
     assert main(["train", "--resume", str(tmp_path / "b"), "--quiet"]) == 0
     assert f"finished {tmp_path / 'b'} at step 12" in capsys.readouterr().out
-    assert tree(original) == before  # the original is untouched: no checkpoint written or pruned there
+    assert snapshot(original) == before  # the original is untouched: no checkpoint written or pruned there
     assert [p.name for p in list_checkpoints(tmp_path / "b")][-1] == "step_00000012"
     assert losses(tmp_path / "b") == full
 
@@ -77,12 +63,12 @@ def test_moved_data_is_named_and_found_again_with_data(prepared, tmp_path, full,
     data = tmp_path / "data-copy"
     shutil.copytree(prepared, data)
     run = half_run(data, tmp_path / "run")
-    before = tree(run)
+    before = snapshot(run)
     data.rename(tmp_path / "moved")
     assert main(["train", "--resume", str(run)]) == 2
     err = capsys.readouterr().err
     assert f"--data {data} of the run {run} is not there (moved or deleted?); give its new location with --data" in err
-    assert tree(run) == before
+    assert snapshot(run) == before
     assert main(["train", "--resume", str(run), "--data", str(tmp_path / "moved"), "--quiet"]) == 0
     assert json.loads((run / "train_config.json").read_text())["data"] == str(tmp_path / "moved")
     assert losses(run) == full  # the same data, in a new place: nothing changed
@@ -90,7 +76,7 @@ def test_moved_data_is_named_and_found_again_with_data(prepared, tmp_path, full,
 
 def test_resume_flags_apply_or_are_refused(prepared, tmp_path, capsys):
     run = half_run(prepared, tmp_path / "run")
-    before = tree(run)
+    before = snapshot(run)
     for flags, message in (
         (["--lr", "0.01"], "--lr cannot change when resuming (the run has 0.0015)"),
         (["--batch-size", "8"], "--batch-size cannot change when resuming (the run has 4)"),
@@ -100,7 +86,7 @@ def test_resume_flags_apply_or_are_refused(prepared, tmp_path, capsys):
     ):
         assert main(["train", "--resume", str(run), *flags]) == 2
         assert message in capsys.readouterr().err
-        assert tree(run) == before
+        assert snapshot(run) == before
     # repeating the saved value is not a change; --max-steps and the intervals may change
     assert main(["train", "--resume", str(run), "--lr", "0.0015", "--max-steps", "16", "--log-interval", "2"]) == 0
     rows = [json.loads(r) for r in (run / "metrics.jsonl").read_text().splitlines()]
@@ -112,14 +98,14 @@ def test_resume_flags_apply_or_are_refused(prepared, tmp_path, capsys):
 
 def test_resuming_a_finished_run_says_so_and_changes_nothing(prepared, tmp_path, capsys):
     train(small_config(prepared, tmp_path / "run"), quiet=True)
-    before = tree(tmp_path / "run")
+    before = snapshot(tmp_path / "run")
     assert main(["train", "--resume", str(tmp_path / "run")]) == 0
     out = capsys.readouterr().out.strip()
     assert out == (
         f"difftx train: {tmp_path / 'run'} is complete (step 12 of 12); nothing to do. To train further, resume with "
         "--max-steps larger than 12"
     )
-    assert tree(tmp_path / "run") == before
+    assert snapshot(tmp_path / "run") == before
 
 
 def test_a_failed_start_leaves_nothing_behind(prepared, tmp_path, monkeypatch):
@@ -191,7 +177,7 @@ def test_data_prepared_again_in_place_is_noted(prepared, tmp_path, capsys):
     data = tmp_path / "data-here"
     shutil.copytree(prepared, data)
     run = half_run(data, tmp_path / "run")
-    shutil.rmtree(data)
+    shutil.rmsnapshot(data)
     other = write_corpus(tmp_path / "other-corpus", seed=1)
     prepare(iter_documents(find_files([other])), ByteTokenizer(), data, val_every=10)
     assert main(["train", "--resume", str(run), "--quiet"]) == 0

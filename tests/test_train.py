@@ -11,36 +11,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import SMALL, small_config
+from conftest import SMALL, difftx, losses, small_config, train_args
 
 from difftransformer import checkpoint
 from difftransformer.checkpoint import list_checkpoints, load_checkpoint
 from difftransformer.train import TrainConfig, Trainer, lr_at, resume_config, train
 
 
-def losses(run_dir):
-    rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
-    return [(r["step"], r["loss"]) for r in rows]
-
-
-def train_args(prepared, **flags):
-    """Command-line flags of `difftx train` for the small model, one thread, quiet."""
-    flags = dict(
-        data=prepared,
-        model=json.dumps(SMALL),
-        seq_len=32,
-        batch_size=4,
-        log_interval=1,
-        eval_tokens=256,
-        threads=1,
-        **flags,
-    )
-    return [item for k, v in flags.items() for item in ("--" + k.replace("_", "-"), str(v))] + ["--quiet"]
-
-
 def cli(*args, env_extra=None):
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env_extra or {})}
-    return [sys.executable, "-m", "difftransformer", *args], env
+    return difftx(*args), env
 
 
 def test_run_writes_metrics_lambda_checkpoints_and_learns(prepared, tmp_path):

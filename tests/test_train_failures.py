@@ -5,42 +5,21 @@ resumes to the losses of one that never stopped."""
 from __future__ import annotations
 
 import copy
-import json
 import os
 import resource
 import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
-from conftest import SMALL, small_config
+from conftest import difftx, losses, metric_rows, small_config, train_args
 
 from difftransformer.checkpoint import list_checkpoints, load_checkpoint
 from difftransformer.cli import main
 from difftransformer.model import TransformerLM
 from difftransformer.train import Trainer, train
-
-
-def rows(run_dir) -> list[dict]:
-    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
-
-
-def losses(run_dir) -> list[tuple[int, float]]:
-    return [(r["step"], r["loss"]) for r in rows(run_dir)]
-
-
-def cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "difftransformer", *args]
-
-
-def train_flags(prepared, **flags) -> list[str]:
-    base = dict(
-        data=prepared, model=json.dumps(SMALL), seq_len=32, batch_size=4, log_interval=1, eval_tokens=256, threads=1
-    )
-    return [x for k, v in {**base, **flags}.items() for x in ("--" + k.replace("_", "-"), str(v))] + ["--quiet"]
 
 
 @pytest.mark.parametrize("where", ["loss", "gradient"])
@@ -66,7 +45,7 @@ def test_a_nonfinite_step_is_skipped_without_touching_weights_or_optimizer(prepa
     trainer.close()
     assert rest[-1]["step"] == 12 and all("skipped" not in r for r in rest)
     assert f"step 3: non-finite {where}" in capsys.readouterr().err
-    assert [r["step"] for r in rows(tmp_path / "run") if "skipped" in r] == [3]
+    assert [r["step"] for r in metric_rows(tmp_path / "run") if "skipped" in r] == [3]
 
 
 def test_nonfinite_steps_in_a_row_stop_the_run_with_its_last_checkpoint_intact(prepared, tmp_path, monkeypatch, capsys):
@@ -82,7 +61,7 @@ def test_nonfinite_steps_in_a_row_stop_the_run_with_its_last_checkpoint_intact(p
         return out
 
     monkeypatch.setattr(TransformerLM, "forward", forward)
-    flags = train_flags(prepared, max_steps=12, ckpt_interval=4, eval_interval=4, max_nonfinite_steps=3)
+    flags = train_args(prepared, max_steps=12, ckpt_interval=4, eval_interval=4, max_nonfinite_steps=3)
     assert main(["train", *flags, "--out", str(tmp_path / "run")]) == 3
     err = capsys.readouterr().err
     assert (
@@ -99,19 +78,19 @@ def test_nonfinite_steps_in_a_row_stop_the_run_with_its_last_checkpoint_intact(p
 
 @pytest.mark.parametrize("signum, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_a_signal_finishes_the_step_writes_a_checkpoint_and_resumes_exactly(prepared, tmp_path, signum, code):
-    flags = train_flags(prepared, max_steps=200, eval_interval=50, ckpt_interval=1000)
-    subprocess.run(cli("train", *flags, "--out", str(tmp_path / "full")), check=True, timeout=600)
+    flags = train_args(prepared, max_steps=200, eval_interval=50, ckpt_interval=1000)
+    subprocess.run(difftx("train", *flags, "--out", str(tmp_path / "full")), check=True, timeout=600)
     run = tmp_path / "run"
     proc = subprocess.Popen(
-        cli("train", *flags, "--out", str(run)), stderr=subprocess.PIPE, text=True, env={**os.environ}
+        difftx("train", *flags, "--out", str(run)), stderr=subprocess.PIPE, text=True, env={**os.environ}
     )
     deadline = time.time() + 120
-    while time.time() < deadline and not ((run / "metrics.jsonl").is_file() and len(rows(run)) >= 5):
+    while time.time() < deadline and not ((run / "metrics.jsonl").is_file() and len(metric_rows(run)) >= 5):
         time.sleep(0.05)
     proc.send_signal(signum)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == code, err
-    step = rows(run)[-1]["step"]
+    step = metric_rows(run)[-1]["step"]
     assert 5 <= step < 200  # it stopped early, after the step it was in
     assert [p.name for p in list_checkpoints(run)] == [f"step_{step:08d}"]  # written by the interrupt
     last = err.strip().splitlines()[-1]
@@ -119,7 +98,7 @@ def test_a_signal_finishes_the_step_writes_a_checkpoint_and_resumes_exactly(prep
         f"difftx train: interrupted: stopped by {signal.Signals(signum).name} at step {step}; checkpoint "
         f"{run / 'checkpoints' / f'step_{step:08d}'}. Resume with: difftx train --resume {run}"
     )
-    subprocess.run(cli("train", "--resume", str(run), "--quiet"), check=True, timeout=600)
+    subprocess.run(difftx("train", "--resume", str(run), "--quiet"), check=True, timeout=600)
     assert losses(run) == losses(tmp_path / "full")
 
 
@@ -141,7 +120,7 @@ def test_a_failed_checkpoint_write_is_a_clear_error_and_the_last_one_stays(prepa
     sizes = {p.name: p.stat().st_size for p in list_checkpoints(run)[-1].iterdir()}
     limit = (sizes["model.safetensors"] + sizes["optimizer.safetensors"]) // 2  # the model fits, the optimizer not
     proc = subprocess.run(
-        cli("train", "--resume", str(run), "--quiet"),
+        difftx("train", "--resume", str(run), "--quiet"),
         capture_output=True,
         text=True,
         preexec_fn=_limit_file_size(limit),
@@ -154,7 +133,7 @@ def test_a_failed_checkpoint_write_is_a_clear_error_and_the_last_one_stays(prepa
     assert [p.name for p in list_checkpoints(run)] == ["step_00000004", "step_00000008"]
     assert not [p for p in (run / "checkpoints").iterdir() if p.name.startswith(".")]  # no temporary left
     load_checkpoint(list_checkpoints(run)[-1])
-    subprocess.run(cli("train", "--resume", str(run), "--quiet"), check=True, timeout=600)
+    subprocess.run(difftx("train", "--resume", str(run), "--quiet"), check=True, timeout=600)
     assert losses(run) == losses(tmp_path / "full")
 
 
@@ -162,8 +141,8 @@ def test_sigterm_to_torchrun_stops_every_process_at_the_same_step(prepared, tmp_
     """torchrun passes SIGTERM to its workers; they agree on the step to stop after (an all-reduce each step), the
     main process writes the checkpoint, and the run resumes in one process to the losses of one that never
     stopped."""
-    flags = train_flags(prepared, max_steps=300, eval_interval=50, ckpt_interval=1000)
-    subprocess.run(cli("train", *flags, "--out", str(tmp_path / "full")), check=True, timeout=600)
+    flags = train_args(prepared, max_steps=300, eval_interval=50, ckpt_interval=1000)
+    subprocess.run(difftx("train", *flags, "--out", str(tmp_path / "full")), check=True, timeout=600)
     run = tmp_path / "run"
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     proc = subprocess.Popen(
@@ -173,11 +152,11 @@ def test_sigterm_to_torchrun_stops_every_process_at_the_same_step(prepared, tmp_
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     deadline = time.time() + 180
-    while time.time() < deadline and not ((run / "metrics.jsonl").is_file() and len(rows(run)) >= 5):
+    while time.time() < deadline and not ((run / "metrics.jsonl").is_file() and len(metric_rows(run)) >= 5):
         time.sleep(0.05)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=180)
-    step = rows(run)[-1]["step"]
+    step = metric_rows(run)[-1]["step"]
     assert 5 <= step < 300
     assert [p.name for p in list_checkpoints(run)] == [f"step_{step:08d}"]
     said = [line for line in err.splitlines() if line.startswith("difftx train: interrupted")]
@@ -185,6 +164,6 @@ def test_sigterm_to_torchrun_stops_every_process_at_the_same_step(prepared, tmp_
         f"difftx train: interrupted: stopped by SIGTERM at step {step}; checkpoint "
         f"{run / 'checkpoints' / f'step_{step:08d}'}. Resume with: difftx train --resume {run}"
     ]
-    subprocess.run(cli("train", "--resume", str(run), "--parallel", "none", "--quiet"), check=True, timeout=600)
+    subprocess.run(difftx("train", "--resume", str(run), "--parallel", "none", "--quiet"), check=True, timeout=600)
     for (s1, a), (s2, b) in zip(losses(run), losses(tmp_path / "full"), strict=True):
         assert s1 == s2 and abs(a - b) < 1e-5
