@@ -177,7 +177,7 @@ def test_data_prepared_again_in_place_is_noted(prepared, tmp_path, capsys):
     data = tmp_path / "data-here"
     shutil.copytree(prepared, data)
     run = half_run(data, tmp_path / "run")
-    shutil.rmsnapshot(data)
+    shutil.rmtree(data)
     other = write_corpus(tmp_path / "other-corpus", seed=1)
     prepare(iter_documents(find_files([other])), ByteTokenizer(), data, val_every=10)
     assert main(["train", "--resume", str(run), "--quiet"]) == 0
