@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# All GPU checks and benchmarks of issue #5 in one run (about 8 minutes on one H200), for a session lent a device
-# machine: `run` with command `bash benchmarks/gpu.sh` and timeout_s 540. It uses the machine's own python3
+# All GPU checks and benchmarks in one run (about 9 minutes on one H200), for a session lent a device machine: `run`
+# with command `bash benchmarks/gpu.sh`, timeout_s 580 and carry ["data/shakespeare", "data/sotu"] (the language-model
+# study's corpus, fetched here first with `difftx data fetch`; without it that step is skipped). It uses the machine's own python3
 # (PyTorch with CUDA, Triton, transformers) with this checkout on PYTHONPATH, and writes everything it prints to
 # $OUT/gpu.log plus the benchmark JSON files, to be committed under benchmarks/results/.
 set -uo pipefail
@@ -29,4 +30,14 @@ PY
     --dim 2048 --heads 16 --repeats 10 --json "$OUT/attention_h200.json"
   python3 -m difftransformer bench train --device cuda --dtype bfloat16 --preset small --seq 2048 4096 --batch 8 \
     --repeats 10 --json "$OUT/train-small_h200.json"
+  echo "== language-model study, GPU scale, a 2-minute slice: the learning-rate sweep at 12 steps (speed, pipeline)"
+  if [[ -d data/shakespeare && -d data/sotu ]]; then
+    timeout 150 python3 -m difftransformer repro lm --scale gpu --steps 12 --seeds 1 --part sweep \
+      --out "$OUT/lm-gpu-slice" --corpora data/shakespeare data/sotu
+    cp "$OUT/lm-gpu-slice/section.md" "$OUT/lm-gpu-slice.md" 2>/dev/null || true
+    cp "$OUT/lm-gpu-slice/results.json" "$OUT/lm-gpu-slice.json" 2>/dev/null || true
+    rm -rf "$OUT/lm-gpu-slice"
+  else
+    echo "skipped: data/shakespeare and data/sotu were not carried"
+  fi
 } 2>&1 | tee "$log"

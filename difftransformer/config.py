@@ -15,6 +15,7 @@ from difftransformer.fsutil import parse_json_object, read_text
 from difftransformer.rotary import rope_scaling_problem
 
 ATTENTION_KINDS = ("diff", "diff_v2", "standard")
+DIFF_HEADS = ("half", "all")
 FFN_MULTIPLE = 64
 
 
@@ -31,6 +32,14 @@ class ModelConfig:
     ``attention="diff"`` the model uses ``n_heads // 2`` differential heads and ``n_kv_heads // 2`` key/value
     groups of the same head size ``d_model // n_heads``, so flipping ``attention`` gives the paper's matched
     pair (PAPER.md section 2). ``diff_v2`` keeps ``n_heads`` output heads and doubles the query heads.
+
+    Three options change the attention for the paper's ablations (Table 6) and leave everything else as it is:
+    ``head_norm`` (the per-head RMSNorm: None is each kind's own choice, on for ``diff``, off for ``standard`` and
+    ``diff_v2``; False removes it from ``diff``, keeping the 1 - lambda_init factor; True adds it to ``standard``),
+    ``lambda_init`` (``diff`` only: None is the schedule 0.8 - 0.6 exp(-0.3 layer_idx), a number in [0, 1) is used
+    in every layer) and ``diff_heads`` (``diff`` only: "half" is the paper's n_heads // 2 heads of size
+    d_model / n_heads; "all" uses n_heads differential heads of half that size, as many attention maps pairs as the
+    standard model has maps, with the same parameter count).
     """
 
     vocab_size: int = 256
@@ -48,6 +57,9 @@ class ModelConfig:
     tie_embeddings: bool = False
     init_std: float = 0.02
     dropout: float = 0.0
+    head_norm: bool | None = None
+    lambda_init: float | None = None
+    diff_heads: str = "half"
 
     def __post_init__(self) -> None:
         if self.rope_scaling is not None and isinstance(self.rope_scaling, dict):
@@ -78,6 +90,7 @@ class ModelConfig:
         check.choice("attention", ATTENTION_KINDS)
         check.choice("attn_impl", DIFF_IMPLS)
         check.boolean("tie_embeddings")
+        self._validate_ablations(check)
         if self.d_model % self.n_heads:
             check.fail(
                 "d_model",
@@ -90,23 +103,50 @@ class ModelConfig:
                 f"{self.n_kv_heads} does not divide `n_heads` {self.n_heads}; pick n_kv_heads among the divisors of "
                 f"{self.n_heads}",
             )
-        if self.attention == "diff" and (self.n_heads % 2 or self.n_kv_heads % 2):
+        if self.attention == "diff" and self.diff_heads == "half" and (self.n_heads % 2 or self.n_kv_heads % 2):
             check.fail(
                 "attention",
                 f"'diff' uses n_heads // 2 differential heads and n_kv_heads // 2 groups, so both must be even; got "
                 f"`n_heads` {self.n_heads} and `n_kv_heads` {self.n_kv_heads}",
             )
-        if self.rope_theta is not None and (self.d_model // self.n_heads) % 2:
+        if self.rope_theta is not None and self.attention_head_dim % 2:
             check.fail(
                 "rope_theta",
-                f"(rotary embedding) needs an even head size; d_model / n_heads = {self.d_model // self.n_heads}. "
+                f"(rotary embedding) needs an even head size; the attention's head size is {self.attention_head_dim}. "
                 "Change `d_model` or `n_heads`, or set rope_theta to None",
+            )
+
+    def _validate_ablations(self, check: Fields) -> None:
+        check.boolean("head_norm", optional=True)
+        check.number("lambda_init", 0, 1, high_open=True, optional=True)
+        check.choice("diff_heads", DIFF_HEADS)
+        if self.head_norm is not None and self.attention == "diff_v2":
+            check.fail("head_norm", "is for 'diff' and 'standard' attention; 'diff_v2' has no per-head norm")
+        for name, default in (("lambda_init", None), ("diff_heads", "half")):
+            if getattr(self, name) != default and self.attention != "diff":
+                check.fail(name, f"applies to attention 'diff' only (this model has {self.attention!r})")
+        if self.attention == "diff" and self.diff_heads == "all" and (self.d_model // self.n_heads) % 2:
+            check.fail(
+                "diff_heads",
+                f"'all' splits each head of size d_model / n_heads = {self.d_model // self.n_heads} into two halves, "
+                "so that size must be even; change `d_model` or `n_heads`",
             )
 
     @property
     def head_dim(self) -> int:
         """Head size of the matched standard Transformer, which is also DIFF's half-head size d."""
         return self.d_model // self.n_heads
+
+    @property
+    def attention_head_dim(self) -> int:
+        """The size of one query/key head as the attention uses it (half of head_dim with diff_heads='all')."""
+        split = self.attention == "diff" and self.diff_heads == "all"
+        return self.head_dim // 2 if split else self.head_dim
+
+    @property
+    def is_ablation(self) -> bool:
+        """Whether an ablation option departs from the paper's architecture."""
+        return self.head_norm is not None or self.lambda_init is not None or self.diff_heads != "half"
 
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> ModelConfig:

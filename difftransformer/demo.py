@@ -17,6 +17,7 @@ from difftransformer.tokenizer import ByteTokenizer
 from difftransformer.train import TrainConfig, Trainer
 
 PROMPTS = ("Return the ", "The module ", "If the ")
+STUDY = Path(__file__).resolve().parents[1] / "experiments" / "reports" / "lm" / "results.json"
 KINDS = ("diff", "standard")
 
 
@@ -150,8 +151,56 @@ def run_demo(
         "samples": samples,
     }
     write_report(run_dir, rows, summary)
+    d_loss, s_loss = (summary["final"][k]["val_loss"] for k in KINDS)
+    print(
+        f"\nthis demo: DIFF {d_loss:.4f} vs standard {s_loss:.4f} nats/token, DIFF - standard {d_loss - s_loss:+.4f} "
+        f"({(d_loss - s_loss) / s_loss:+.1%}): one seed, one small size (4 differential heads), {steps} steps"
+    )
+    for line in study_context():
+        print(line)
     print(f"\nreport: {run_dir / 'report.md'}")
     return summary
+
+
+def study_context(path: Path = STUDY) -> list[str]:
+    """What the committed `difftx repro lm` report found, to read the demo's numbers against."""
+    try:
+        result = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return [f"(no committed language-model study at {path}: run `difftx repro lm` for seeded comparisons)"]
+    sc = result["scale"]
+    lines = [f"the committed study (`difftx repro lm --scale {sc['name']}`, {path.parent.name}/report.md; BPE text, "
+             "each architecture at its own best learning rate, matched data and initialisation):"]  # fmt: skip
+    hi = sc["steps"][0]
+    if "paired" in result:
+        mean, low, high = result["paired"]["interval"]
+        n = len(result["paired"]["differences"])
+        lines.append(
+            f"  size {sc['reference']}, {hi} steps, {n} seeds: DIFF - standard {mean:+.4f} nats (95% interval "
+            f"{low:+.4f} to {high:+.4f})"
+        )
+        grid = result["grid"]
+        pairs = {(p["size"], p["steps"]) for p in grid if p["seed"] == 0}
+        lower = sum(
+            next(p["loss"] for p in grid if (p["size"], p["steps"], p["variant"], p["seed"]) == (*key, "diff", 0))
+            < next(p["loss"] for p in grid if (p["size"], p["steps"], p["variant"], p["seed"]) == (*key, "standard", 0))
+            for key in pairs
+        )
+        lines.append(f"  DIFF has the lower loss at {lower} of {len(pairs)} (size, budget) points (seed 0)")
+    for row in result.get("ablations", []):
+        if row["variant"] == "diff-all-heads":
+            mean, low, high = row["interval_minus_diff"]
+            lines.append(
+                f"  DIFF with as many differential heads as standard heads: {mean:+.4f} nats vs DIFF (95% interval "
+                f"{low:+.4f} to {high:+.4f})"
+            )
+    if len(lines) == 1:
+        lines.append("  (its grid is not complete yet)")
+    lines.append(
+        "  the paper's advantage was measured at 0.8B-13B parameters and billions of tokens; at this size the study "
+        "above is the number to compare with, not the paper's"
+    )
+    return lines
 
 
 def write_report(run_dir: Path, rows: dict[str, list[dict]], summary: dict) -> None:

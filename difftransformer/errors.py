@@ -97,10 +97,12 @@ class Fields:
         if isinstance(value, bool) or value not in choices:
             self.fail(field, f"must be one of {', '.join(map(repr, choices))}, got {value!r}")
 
-    def boolean(self, field: str) -> None:
+    def boolean(self, field: str, optional: bool = False) -> None:
         value = getattr(self.obj, field)
+        if value is None and optional:
+            return
         if not isinstance(value, bool):
-            self.fail(field, f"must be true or false, got {value!r}")
+            self.fail(field, f"must be true or false{' or None' if optional else ''}, got {value!r}")
 
     def text(self, field: str, optional: bool = False) -> None:
         value = getattr(self.obj, field)

@@ -137,6 +137,11 @@ def to_hf(
         raise InputError("attention='diff_v2' has no Hugging Face architecture; convert a 'diff' or 'standard' model")
     if cfg.rope_theta is None:
         raise InputError("Hugging Face Llama models always use rotary embedding; this model has rope_theta=None")
+    if cfg.is_ablation:
+        raise InputError(
+            "this model uses an ablation option (head_norm, lambda_init or diff_heads) that DiffLlama and Llama cannot "
+            "represent; only the paper's architecture converts"
+        )
     d = cfg.head_dim
     common = dict(
         vocab_size=cfg.vocab_size,
@@ -250,10 +255,10 @@ def diff_from_standard(base: TransformerLM, lambda_start: float = -1.0) -> Trans
     maps, which keeps both heads' own terms, and measured closest (README, "Starting from a pretrained Llama").
     """
     cfg = base.config
-    if cfg.attention != "standard" or cfg.n_heads % 2 or cfg.n_kv_heads % 2:
+    if cfg.attention != "standard" or cfg.n_heads % 2 or cfg.n_kv_heads % 2 or cfg.is_ablation:
         raise InputError(
-            "diff_from_standard takes a standard model with even numbers of query and key/value heads, got "
-            f"{cfg.attention} with {cfg.n_heads} and {cfg.n_kv_heads}"
+            "diff_from_standard takes a standard model (no ablation option) with even numbers of query and key/value "
+            f"heads, got {cfg.attention} with {cfg.n_heads} and {cfg.n_kv_heads}"
         )
     diff = TransformerLM(ModelConfig.from_dict({**cfg.to_dict(), "attention": "diff"}))
     d, rep = cfg.head_dim, cfg.n_heads // cfg.n_kv_heads

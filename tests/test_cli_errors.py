@@ -188,6 +188,10 @@ CASES = [
     ("bench attention --threads 0", "argument --threads: must be at least 1, got 0"),
     ("bench attention --device cuda", "--device is 'cuda', but no CUDA GPU is available here"),
     ("repro needle --seeds 0", "argument --seeds: must be at least 1, got 0"),
+    ("repro lm --out {w}/lm --corpora {w}/nothing", "corpus directory {w}/nothing does not exist; fetch it"),
+    ("repro lm --out {w}/lm --corpora {w}/corpus --part grid", "the learning-rate sweep is not complete"),
+    ("repro lm --out {w}/taken --corpora {w}/corpus", "{w}/taken is not empty and holds no study.json"),
+    ("repro lm --scale tpu", "argument --scale: invalid choice: 'tpu'"),
     ("demo --steps 0", "argument --steps: must be at least 1, got 0"),
     ("presets --bogus", "unrecognized arguments: --bogus"),
 ]

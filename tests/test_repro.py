@@ -170,11 +170,18 @@ def tiny_scales(monkeypatch):
     monkeypatch.setattr(icl, "ORDER_SEEDS", 2)
 
 
-def test_repro_all_writes_every_report(tmp_path, tiny_scales, capsys):
+def test_repro_all_writes_every_report(tmp_path, tiny_scales, capsys, monkeypatch, corpus_dir):
+    from test_lm_study import TOY
+
+    from difftransformer.repro import lm
+
+    monkeypatch.setitem(lm.SCALES, "cpu", replace(TOY, name="cpu", vocab_size=300))
+    monkeypatch.setattr(lm, "DEFAULT_CORPORA", (str(corpus_dir),))
+    monkeypatch.setattr(lm.corpus, "pydocs_documents", lambda: iter(["The built-in corpus, in short. " * 20] * 5))
     out = tmp_path / "reports"
     assert main(["repro", "all", "--seeds", "2", "--workers", "1", "--out", str(out)]) == 0
     report = (out / "report.md").read_text()
-    for title in ("## Multi-needle retrieval", "## Attention allocation", "## In-context learning"):
+    for title in ("## Multi-needle retrieval", "## Attention allocation", "## In-context learning", "## Language mod"):
         assert title in report
     for name in ("needle_depth_length.png", "needle_curves.png"):
         assert (out / "needle" / name).stat().st_size > 1000

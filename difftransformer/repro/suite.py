@@ -1,4 +1,5 @@
-"""`difftx repro`: run one experiment or all of them into a new report directory."""
+"""`difftx repro`: run one experiment or all of them into a new report directory (the language-model study, ``lm``,
+also continues an interrupted study in its own directory)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 from difftransformer.errors import InputError
 from difftransformer.fsutil import check_new_dir
 
-EXPERIMENTS = ("needle", "allocation", "icl")
+EXPERIMENTS = ("needle", "allocation", "icl", "lm")
 
 
 def run(
@@ -17,9 +18,11 @@ def run(
     out: str | Path,
     scale: str = "cpu",
     seeds: int = 3,
-    workers: int = 2,
+    workers: int | None = None,
     steps: int | None = None,
     models: str | Path | None = None,
+    parts: tuple[str, ...] | None = None,
+    corpora: list[str] | None = None,
 ) -> Path:
     """Run ``what`` (an experiment or 'all') into ``out``, which must be new or empty; returns the report path.
 
@@ -31,22 +34,26 @@ def run(
     if seeds < 1:
         raise InputError(f"--seeds must be at least 1, got {seeds}")
     out = Path(out)
-    check_new_dir(out, "report directory")
+    if what != "lm":
+        check_new_dir(out, "report directory")
     seed_list = list(range(seeds))
     todo = EXPERIMENTS if what == "all" else (what,)
     sections = []
     for name in todo:
         target = out / name if what == "all" else out
-        target.mkdir(parents=True, exist_ok=True)
+        if name != "lm":  # the language-model study checks its directory before it writes anything
+            target.mkdir(parents=True, exist_ok=True)
         start = time.perf_counter()
         module = importlib.import_module(f"difftransformer.repro.{name}")
         if name == "allocation":
             source = Path(models) if models else (out / "needle" if what == "all" else None)
-            module.run(target, scale, seed_list, workers, steps, models=source)
+            module.run(target, scale, seed_list, workers or 2, steps, models=source)
+        elif name == "lm":
+            module.run(target, scale, parts or module.PARTS, seed_list, workers, steps, corpora)
         else:
-            module.run(target, scale, seed_list, workers, steps)
+            module.run(target, scale, seed_list, workers or 2, steps)
         print(f"difftx repro {name}: done in {time.perf_counter() - start:.0f} s -> {target / 'section.md'}")
         sections.append((target / "section.md").read_text())
     report = out / "report.md"
-    report.write_text(f"# Attention-noise claims, {scale} scale\n\n" + "\n\n".join(sections))
+    report.write_text(f"# The paper's claims, {scale} scale\n\n" + "\n\n".join(sections))
     return report
