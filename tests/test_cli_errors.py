@@ -192,6 +192,7 @@ CASES = [
     ("repro lm --out {w}/lm --corpora {w}/corpus --part grid", "the learning-rate sweep is not complete"),
     ("repro lm --out {w}/taken --corpora {w}/corpus", "{w}/taken is not empty and holds no study.json"),
     ("repro lm --scale tpu", "argument --scale: invalid choice: 'tpu'"),
+    ("repro lm --scale gpu --out {w}/lm", "--scale gpu trains on 'cuda', which this machine lacks"),
     ("demo --steps 0", "argument --steps: must be at least 1, got 0"),
     ("presets --bogus", "unrecognized arguments: --bogus"),
 ]

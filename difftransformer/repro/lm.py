@@ -45,7 +45,7 @@ from difftransformer.model import count_parameters
 from difftransformer.repro import lm_measure
 from difftransformer.runs import TRAIN_CONFIG
 from difftransformer.train import Trainer, layer_lambdas
-from difftransformer.train_config import TrainConfig, resume_config
+from difftransformer.train_config import TrainConfig, device_problem, resume_config
 
 PARTS = ("sweep", "grid", "ablations")
 STUDY = "study.json"
@@ -438,7 +438,12 @@ def run(
     seeds = list(range(3)) if seeds is None else seeds
     out = Path(out)
     corpora = list(DEFAULT_CORPORA if corpora is None else corpora)
-    if not (out / "data" / "manifest.json").is_file():  # checked before anything is written
+    if device_problem(plan.device) is not None:  # everything here is checked before anything is written
+        raise InputError(
+            f"--scale {scale} trains on {plan.device!r}, which this machine lacks (no CUDA GPU, or torch is a CPU "
+            "build); use --scale cpu here"
+        )
+    if not (out / "data" / "manifest.json").is_file():
         study_documents(corpora, read=False)
     if "sweep" not in parts:
         best_lrs(plan, read_measures(out))
