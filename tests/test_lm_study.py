@@ -299,6 +299,17 @@ def test_a_toy_study_runs_resumes_and_reports(toy_study):
     assert lm.read_measures(toy_study)[partial.name]["val"] == measures[partial.name]["val"]  # an exact resume
     assert again["paired"] == result["paired"]
 
+    committed = toy_study.parent / "committed"  # the report without models and data, and a study continued from it
+    assert lm_report.export(toy_study, committed, TOY, [0, 1])["paired"] == result["paired"]
+    assert sorted(p.name for p in (committed / "curves").iterdir()) == sorted(f"{n}.jsonl" for n in expected)
+    assert not (committed / "runs").exists() and not (committed / "data").exists()
+    elsewhere = toy_study.parent / "elsewhere"
+    lm.open_study(elsewhere, TOY, [0, 1])
+    shutil.copytree(committed / "measures", elsewhere / "measures")
+    shutil.copytree(toy_study / "data", elsewhere / "data")
+    assert lm.run(elsewhere, "toy", seeds=[0, 1], workers=1)["paired"] == result["paired"]
+    assert not (elsewhere / "runs").exists()  # every run was measured already: nothing trained
+
 
 def test_a_study_directory_keeps_its_plan(toy_study):
     other = dataclasses.replace(TOY, steps=(8, 4))

@@ -6,13 +6,24 @@ Every section is written from the runs measured so far, so a study with only som
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
+import shutil
 from pathlib import Path
 
 from difftransformer.fsutil import read_json_object
 from difftransformer.repro import report
-from difftransformer.repro.lm import ABLATIONS, TIMINGS, Run, Scale, ablation_runs, best_lrs, grid_runs, sweep_runs
+from difftransformer.repro.lm import (
+    ABLATIONS,
+    STUDY,
+    TIMINGS,
+    Run,
+    Scale,
+    ablation_runs,
+    best_lrs,
+    grid_runs,
+    read_measures,
+    sweep_runs,
+)
 from difftransformer.repro.scaling import fit_power_law, fraction_needed, t_interval
 
 PAPER = {
@@ -48,10 +59,13 @@ def analyse(scale: Scale, seeds: list[int], measures: dict[str, dict]) -> dict:
     """The numbers of every complete part (a part with a missing run is reported as incomplete)."""
     result: dict = {"experiment": "lm", "scale": dataclasses.asdict(scale), "seeds": seeds, "paper": PAPER}
     sweep = sweep_runs(scale)
+    like_sweep = [Run(**m["run"]) for m in measures.values()]  # the sweep's runs, and any at other rates
     result["sweep"] = [
-        {"variant": r.variant, "lr": r.lr, "loss": _loss(measures, r)} for r in sweep if r.name in measures
+        {"variant": r.variant, "lr": r.lr, "loss": _loss(measures, r), "in_plan": r.lr in scale.lrs}
+        for r in sorted(like_sweep)
+        if (r.size, r.steps, r.seed) == (scale.reference, scale.steps[0], 0) and r.variant in PAIR
     ]
-    if len(result["sweep"]) < len(sweep):
+    if any(r.name not in measures for r in sweep):
         result["incomplete"] = ["sweep", "grid", "ablations"]
         return result
     best = best_lrs(scale, measures)
@@ -244,6 +258,10 @@ def markdown(result: dict) -> str:
             by = {r["lr"]: r["loss"] for r in result["sweep"] if r["variant"] == a}
             cells = ["-" if x not in by else "diverged" if math.isinf(by[x]) else f"{by[x]:.4f}" for x in lrs]
             lines.append(f"| {LABELS[a]} | " + " | ".join(cells) + " |")
+        extra = sorted({r["lr"] for r in result["sweep"] if not r["in_plan"]})
+        if extra:
+            lines += ["", f"Not in this scale's sweep (runs of an earlier plan, kept in the study), shown but not used "
+                          f"to choose: lr {', '.join(f'{x:g}' for x in extra)}."]  # fmt: skip
         if "best_lr" in result:
             lines += ["", "Best: " + ", ".join(f"{LABELS[a]} {lr:g}" for a, lr in result["best_lr"].items()) + "."]
             edge = [LABELS[a] for a, e in result["best_at_edge"].items() if e]
@@ -430,11 +448,29 @@ def _plot_sweep(result: dict, out: Path) -> None:
         if pts:
             ax.plot(*zip(*pts, strict=True), "o-", color=report.COLORS[a], label=LABELS[a])
     ax.set(xscale="log", xlabel="peak learning rate", ylabel="validation loss", title="learning-rate sweep")
+    lrs = sorted({r["lr"] for r in result["sweep"]})
+    ax.set_xticks(lrs, [f"{x:g}" for x in lrs])
+    ax.minorticks_off()
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out / "lm_sweep.png", dpi=110)
     plt.close(fig)
 
 
-def load(out: Path) -> dict:
-    return json.loads((out / "results.json").read_text())
+def export(study: Path, dest: Path, scale: Scale, seeds: list[int]) -> dict:
+    """The study's report without its models and data, into ``dest`` (for committing): the plan, the timings, every
+    run's measurements and learning curve (curves/NAME.jsonl), then the report written from them. A study directory
+    seeded with ``dest``'s measures/ skips those runs, so a study can continue on another machine."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in (STUDY, TIMINGS):
+        if (study / name).is_file():
+            shutil.copy2(study / name, dest / name)
+    for folder in ("measures", "curves"):
+        (dest / folder).mkdir(exist_ok=True)
+    measures = read_measures(study)
+    for name in measures:
+        shutil.copy2(study / "measures" / f"{name}.json", dest / "measures" / f"{name}.json")
+        metrics = study / "runs" / name / "metrics.jsonl"
+        if metrics.is_file():
+            shutil.copy2(metrics, dest / "curves" / f"{name}.jsonl")
+    return write(dest, scale, seeds, measures)
