@@ -4,6 +4,7 @@ corpus, print both validation losses as they train, sample from each, and write 
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -169,8 +170,9 @@ def study_context(path: Path = STUDY) -> list[str]:
     except (OSError, ValueError):
         return [f"(no committed language-model study at {path}: run `difftx repro lm` for seeded comparisons)"]
     sc = result["scale"]
-    lines = [f"the committed study (`difftx repro lm --scale {sc['name']}`, {path.parent.name}/report.md; BPE text, "
-             "each architecture at its own best learning rate, matched data and initialisation):"]  # fmt: skip
+    where = os.path.relpath(path.with_name("section.md"))
+    lines = [f"the committed study (`difftx repro lm --scale {sc['name']}`, {where}; BPE text, each architecture at "
+             "its own best learning rate, matched data and initialisation):"]  # fmt: skip
     hi = sc["steps"][0]
     if "paired" in result:
         mean, low, high = result["paired"]["interval"]

@@ -172,7 +172,7 @@ def test_data_prepare_cli_splits_by_documents(tmp_path, corpus_dir):
 def test_the_cpu_plan_meets_the_issue():
     scale = lm.SCALES["cpu"]
     best = {"diff": 3e-3, "standard": 6e-3}
-    sizes = [lm.count_parameters(_config(scale, s)) for s in scale.sizes]
+    sizes = [lm.count_parameters(_config(scale, s), exclude_embeddings=True) for s in scale.sizes]
     assert max(sizes) / min(sizes) >= 4  # sizes span 4x or more in non-embedding parameters
     assert scale.seq_len >= 1024 and len(scale.lrs) >= 3 and len(scale.steps) >= 2
     grid = lm.grid_runs(scale, best, [0, 1, 2])
@@ -186,6 +186,14 @@ def test_the_cpu_plan_meets_the_issue():
     ablations = lm.ablation_runs(scale, best, [0, 1, 2])
     assert {r.variant for r in ablations} == {"diff", "standard", *lm.ABLATIONS}
     assert all(sum(r.variant == v for r in ablations) == 3 for v in lm.ABLATIONS)
+
+
+def test_the_gpu_plan_reaches_100m_parameters():
+    scale = lm.SCALES["gpu"]
+    totals = [lm.count_parameters(_config(scale, s)) for s in scale.sizes]
+    non_embedding = [lm.count_parameters(_config(scale, s), exclude_embeddings=True) for s in scale.sizes]
+    assert max(totals) >= 100_000_000 and max(non_embedding) / min(non_embedding) >= 4
+    assert scale.device == "cuda" and scale.seq_len >= 1024 and len(scale.lrs) >= 3
 
 
 def _config(scale, size):
