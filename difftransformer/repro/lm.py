@@ -325,7 +325,8 @@ def _run_processes(jobs: list[tuple], workers: int, out: Path) -> None:
         )
     if failed:
         run, code = failed[0]
-        message = f"the run {out / 'runs' / run.name} failed (exit code {code}; its error is printed above)"
+        how = f"was killed by signal {-code} (out of memory?)" if code < 0 else f"failed (exit code {code})"
+        message = f"the run {out / 'runs' / run.name} {how}; its error, if any, is printed above"
         raise InputError(message) if code == 2 else RuntimeError(message)
 
 
