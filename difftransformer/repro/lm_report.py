@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import shutil
+import statistics
 from pathlib import Path
 
 from difftransformer.fsutil import read_json_object
@@ -299,6 +300,21 @@ def _grid_markdown(result: dict, sc: dict) -> list[str]:
             )
     v2 = result["diff_v2"]
     lines += ["", f"DIFF V2 at {sc['reference']}, {hi} steps, seed 0, lr {v2['lr']:g} (DIFF's): {v2['loss']:.4f}.", ""]
+    speed = []
+    for size in sc["sizes"]:
+        per = {a: [p["seconds_per_step"] for p in grid if p["size"] == size and p["variant"] == a
+                   and p["seconds_per_step"]] for a in PAIR}  # fmt: skip
+        if all(per.values()):
+            d, s = (statistics.median(per[a]) for a in PAIR)
+            speed.append(f"{size} {d:.2f} vs {s:.2f} s ({d / s:.2f}x)")
+    lines += [
+        "Seconds per step, DIFF vs standard (medians over the size's runs; one thread each, two runs at a time on "
+        "a shared 2-core machine, so only roughly comparable): "
+        + ("; ".join(speed) or "-")
+        + ". The losses above are at "
+        "equal steps and tokens; at equal time DIFF would have fewer steps.",
+        "",
+    ]
     top = list(sc["sizes"])[-1]
     fit = result["param_fits"][str(hi)]
     f = fit["fit"]
