@@ -319,6 +319,17 @@ def test_a_toy_study_runs_resumes_and_reports(toy_study):
     assert not (elsewhere / "runs").exists()  # every run was measured already: nothing trained
 
 
+def test_measures_of_other_data_are_refused(tmp_path):
+    (tmp_path / "measures").mkdir()
+    for name, data in (("a", "1111"), ("b", "2222"), ("c", None)):
+        record = {"name": name} | ({"data": data} if data else {})
+        (tmp_path / "measures" / f"{name}.json").write_text(json.dumps(record))
+    with pytest.raises(InputError, match="trained on different data"):
+        lm.read_measures(tmp_path)
+    (tmp_path / "measures" / "b.json").unlink()
+    assert set(lm.read_measures(tmp_path)) == {"a", "c"}
+
+
 def test_a_study_directory_keeps_its_plan(toy_study):
     other = dataclasses.replace(TOY, steps=(8, 4))
     with pytest.raises(InputError, match="another plan"):

@@ -267,9 +267,16 @@ def open_study(out: Path, scale: Scale, seeds: list[int]) -> dict:
 
 
 def read_measures(out: Path) -> dict[str, dict]:
+    """Every measured run of the study, by name; all must have been measured on the same data."""
     found = {}
     for path in sorted((out / "measures").glob("*.json")):
         found[path.stem] = read_json_object(path)
+    data = {m["data"] for m in found.values() if "data" in m}
+    if len(data) > 1:
+        raise InputError(
+            f"the runs measured in {out / 'measures'} were trained on different data ({', '.join(sorted(data))}): "
+            "their losses cannot be compared; keep the runs of one prepared corpus only"
+        )
     return found
 
 
@@ -408,6 +415,7 @@ def measure_run(trainer: Trainer, run: Run, scale: Scale, data: Path) -> dict:
     return {
         "name": run.name,
         "run": dataclasses.asdict(run),
+        "data": trainer.data_record["id"],  # the shards' digest: every run of a study must share it
         "parameters": count_parameters(cfg),
         "non_embedding": count_parameters(cfg, exclude_embeddings=True),
         "tokens": run.steps * scale.tokens_per_step,
