@@ -337,6 +337,12 @@ def _grid_markdown(result: dict, sc: dict) -> list[str]:
         + f". Paper: {_pct(PAPER['token_fraction'])} (3B, 160B vs 251B tokens).",
         "",
     ]
+    for steps, fit_ in result["param_fits"].items():
+        flat = [LABELS[a] for a in PAIR if fit_["fit"][a]["b"] <= 0]
+        if flat:
+            lines += [f"At {steps} steps the loss of {' and '.join(flat)} does not fall with size (fitted exponent "
+                      "b <= 0): this budget is too small for the larger models, and no parameter fraction can be read "
+                      "from it.", ""]  # fmt: skip
     p = result["paired"]
     lines += [
         f"**Paired difference** at {sc['reference']}, {hi} steps (DIFF - standard validation loss, same seed): "
