@@ -38,8 +38,8 @@ class ModelConfig:
     ``diff_v2``; False removes it from ``diff``, keeping the 1 - lambda_init factor; True adds it to ``standard``),
     ``lambda_init`` (``diff`` only: None is the schedule 0.8 - 0.6 exp(-0.3 layer_idx), a number in [0, 1) is used
     in every layer) and ``diff_heads`` (``diff`` only: "half" is the paper's n_heads // 2 heads of size
-    d_model / n_heads; "all" uses n_heads differential heads of half that size, as many attention maps pairs as the
-    standard model has maps, with the same parameter count).
+    d_model / n_heads; "all" uses n_heads differential heads of half that size, as many heads as the standard
+    model, with the same parameter count).
     """
 
     vocab_size: int = 256
