@@ -94,7 +94,7 @@ def _prepare_documents(documents, tokenizer, tmp: Path, val_every: int, shard_to
             "prepare",
             "val_every",
             f"{val_every} leaves a split without documents: the corpus has {n_docs}; split by documents needs at "
-            f"least {val_every // 2 + 2} of them (or a smaller val_every)",
+            f"least {val_every // 2 + 1} of them (or a smaller val_every)",
         )
     splits = {split: writer.close() for split, writer in writers.items()}
     total = splits["train"]["tokens"] + splits["val"]["tokens"]
