@@ -385,16 +385,23 @@ def _train_and_measure(run: Run, scale: Scale, data: str, out: str) -> dict:
     return measure
 
 
+def _identity(run: Run, scale: Scale, cfg) -> dict:
+    """What every measurement record starts with: the run, its size and its token budget."""
+    return {
+        "name": run.name,
+        "run": dataclasses.asdict(run),
+        "parameters": count_parameters(cfg),
+        "non_embedding": count_parameters(cfg, exclude_embeddings=True),
+        "tokens": run.steps * scale.tokens_per_step,
+    }
+
+
 def diverged(run: Run, scale: Scale, cfg, why: str) -> dict:
     """The record of a run that diverged: an infinite loss, so that no comparison picks it."""
     inf = float("inf")
     return {
-        "name": run.name,
-        "run": dataclasses.asdict(run),
+        **_identity(run, scale, cfg),
         "diverged": why,
-        "parameters": count_parameters(cfg),
-        "non_embedding": count_parameters(cfg, exclude_embeddings=True),
-        "tokens": run.steps * scale.tokens_per_step,
         "val": {"loss": inf, "recall_loss": inf, "other_loss": inf, "recall_tokens": 0, "other_tokens": 0},
         "per_position": [],
         "documents": 0,
@@ -413,12 +420,8 @@ def measure_run(trainer: Trainer, run: Run, scale: Scale, data: Path) -> dict:
     doc_losses = lm_measure.token_losses(model, docs.to(device), amp=trainer.amp).cpu() if len(docs) else None
     cfg = model.config
     return {
-        "name": run.name,
-        "run": dataclasses.asdict(run),
+        **_identity(run, scale, cfg),
         "data": trainer.data_record["id"],  # the shards' digest: every run of a study must share it
-        "parameters": count_parameters(cfg),
-        "non_embedding": count_parameters(cfg, exclude_embeddings=True),
-        "tokens": run.steps * scale.tokens_per_step,
         "val": lm_measure.split_by_recall(losses, windows),
         "val_windows": len(windows),
         "per_position": lm_measure.per_position(doc_losses) if doc_losses is not None else [],
