@@ -41,6 +41,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from difftransformer.attention.logits import active_probe
 from difftransformer.errors import InputError
 
 MASK_VALUE = torch.finfo(torch.float32).min
@@ -63,9 +64,14 @@ DIFF_IMPLS = ("auto", "sdpa", "block", "plain", "triton")
 def attention_probs(
     q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool, mask: torch.Tensor | None
 ) -> torch.Tensor:
-    """softmax(q k^T * scale) in float32 with masking. q: (B, N, Tq, d), k: (B, N, Tk, d) -> (B, N, Tq, Tk)."""
+    """softmax(q k^T * scale) in float32 with masking. q: (B, N, Tq, d), k: (B, N, Tk, d) -> (B, N, Tq, Tk).
+
+    Inside a ``logit_probe`` context the probe sees (and may replace) the scores before the softmax."""
     scores = torch.matmul(q, k.transpose(-1, -2)).to(softmax_dtype(q)) * scale
     allowed = _full_allowed(q.shape[-2], k.shape[-2], causal, mask, q.device)
+    probe = active_probe()
+    if probe is not None:
+        scores = probe(scores, allowed)
     if allowed is None:
         return torch.softmax(scores, dim=-1)
     probs = torch.softmax(scores.masked_fill(~allowed, MASK_VALUE), dim=-1)
@@ -227,6 +233,8 @@ def diff_attention(
     """Exact differential attention ``(softmax(q1 k1^T) - lambda softmax(q2 k2^T)) v`` -> (B, H, Tq, 2d)."""
     if impl not in DIFF_IMPLS:
         raise InputError(f"unknown differential attention impl {impl!r}; choose one of {DIFF_IMPLS}")
+    if active_probe() is not None:  # the logits are observed or quantized: only the plain path has them
+        impl = "plain"
     if impl == "triton":
         try:  # optional dependency, imported on first use
             from . import triton_diff
@@ -284,11 +292,13 @@ def standard_attention(
     mask: torch.Tensor | None = None,
     need_weights: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Softmax attention with grouped keys. q: (B, N, Tq, d), k/v: (B, Nkv, Tk, dv) -> (B, N, Tq, dv)."""
-    if need_weights:
+    """Softmax attention with grouped keys. q: (B, N, Tq, d), k/v: (B, Nkv, Tk, dv) -> (B, N, Tq, dv).
+
+    Materialises the maps when asked for them or inside a ``logit_probe`` context (returning them only when asked)."""
+    if need_weights or active_probe() is not None:
         rep = q.shape[1] // k.shape[1]
         probs = attention_probs(q, k.repeat_interleave(rep, 1), scale, causal, mask)
-        return torch.matmul(probs.to(v.dtype), v.repeat_interleave(rep, 1)), probs
+        return torch.matmul(probs.to(v.dtype), v.repeat_interleave(rep, 1)), (probs if need_weights else None)
     tq, tk = q.shape[-2], k.shape[-2]
     if mask is None and (not causal or tq == tk):
         out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=True)
