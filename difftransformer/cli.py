@@ -255,12 +255,27 @@ def _eval(args: argparse.Namespace) -> int:
     from difftransformer.runs import load_run
     from difftransformer.tokenizer import EOT
 
+    quantizer = None
+    if args.logit_bits is not None:
+        from difftransformer.attention.logits import LogitQuantizer, logit_probe
+
+        quantizer = LogitQuantizer(args.logit_bits, args.logit_granularity)
     model, tokenizer = load_run(args.run)
-    hf_tok = PreTrainedTokenizerFast(tokenizer_object=tokenizer.to_hf(), eos_token=EOT)
-    result = {
-        "lm_eval": lm_eval_perplexity(to_hf(model), hf_tok, args.jsonl, args.text_field, model.config.max_seq_len),
-        "ours": {"bits_per_byte": bits_per_byte(model, tokenizer, read_texts(args.jsonl, args.text_field))},
-    }
+    texts = read_texts(args.jsonl, args.text_field)
+    result = {"ours": {"bits_per_byte": bits_per_byte(model, tokenizer, texts)}}
+    if quantizer is None:
+        hf_tok = PreTrainedTokenizerFast(tokenizer_object=tokenizer.to_hf(), eos_token=EOT)
+        hf = to_hf(model)
+        result["lm_eval"] = lm_eval_perplexity(hf, hf_tok, args.jsonl, args.text_field, model.config.max_seq_len)
+    else:
+        with logit_probe(quantizer):
+            quantized = bits_per_byte(model, tokenizer, texts)
+        result["ours_quantized_logits"] = {
+            "bits_per_byte": quantized,
+            "logit_bits": quantizer.bits,
+            "granularity": quantizer.granularity,
+        }
+        result["lm_eval"] = "skipped: the Hugging Face export cannot quantize attention logits"
     print(json.dumps(result, indent=2))
     return 0
 
@@ -406,6 +421,18 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--run", required=True)
     ev.add_argument("--jsonl", required=True)
     ev.add_argument("--text-field", default="text")
+    ev.add_argument(
+        "--logit-bits",
+        type=int,
+        help="also measure our bits per byte with the attention logits quantized to this many bits (2-16; dynamic "
+        "absmax, the paper's Figure 8); lm-eval is then skipped (the Hugging Face export has no such option)",
+    )
+    ev.add_argument(
+        "--logit-granularity",
+        default="row",
+        choices=["row", "tensor"],
+        help="--logit-bits scale: per head and query row (default) or one per sequence and layer",
+    )
 
     bench = _command(sub, "bench", _bench, "benchmarks: ratios measured side by side in one run")
     bench.add_argument("what", choices=["attention", "train", "decode"])

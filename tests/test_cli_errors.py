@@ -192,6 +192,8 @@ CASES = [
     ("analyze outliers --run {w}/run --out {w}/o --data {w}/nothing", "the data directory {w}/nothing of"),
     ("analyze outliers --run {w}/run --out {w}/o --data {w}/data-bpe", "but {w}/run uses"),
     ("analyze outliers --run {w}/badconfig --out {w}/o", "train_config.json is not valid JSON"),
+    ("eval --run {w}/run --jsonl {w}/bad.jsonl --logit-bits 1", "logit bits must be an integer from 2 to 16"),
+    ("eval --run {w}/run --jsonl {w}/bad.jsonl --logit-bits 4 --logit-granularity col", "invalid choice: 'col'"),
     ("bench attention --threads 0", "argument --threads: must be at least 1, got 0"),
     ("bench attention --device cuda", "--device is 'cuda', but no CUDA GPU is available here"),
     ("repro needle --seeds 0", "argument --seeds: must be at least 1, got 0"),
