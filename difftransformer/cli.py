@@ -247,6 +247,18 @@ def _convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def _quantize(args: argparse.Namespace) -> int:
+    from difftransformer.ptq import quantize_run
+
+    spec = quantize_run(args.run, args.scheme, args.out, args.calib_samples, args.calibrator, args.data)
+    calibrated = ""
+    if "calibration_windows" in spec:
+        calibrated = f", inputs calibrated ({spec['calibrator']}) on {spec['calibration_windows']} training windows"
+    print(f"{args.run} -> {args.out}: {spec['scheme']}, {len(spec['layers'])} linear layers{calibrated}")
+    print(f"sample from it: difftx generate --run {args.out} --prompt 'The'")
+    return 0
+
+
 def _eval(args: argparse.Namespace) -> int:
     from transformers import PreTrainedTokenizerFast
 
@@ -263,11 +275,15 @@ def _eval(args: argparse.Namespace) -> int:
     model, tokenizer = load_run(args.run)
     texts = read_texts(args.jsonl, args.text_field)
     result = {"ours": {"bits_per_byte": bits_per_byte(model, tokenizer, texts)}}
-    if quantizer is None:
+    from difftransformer.quantize import is_quantized
+
+    if is_quantized(model):
+        result["lm_eval"] = "skipped: a quantized run has no Hugging Face form; ours runs the quantized model"
+    elif quantizer is None:
         hf_tok = PreTrainedTokenizerFast(tokenizer_object=tokenizer.to_hf(), eos_token=EOT)
         hf = to_hf(model)
         result["lm_eval"] = lm_eval_perplexity(hf, hf_tok, args.jsonl, args.text_field, model.config.max_seq_len)
-    else:
+    if quantizer is not None:
         with logit_probe(quantizer):
             quantized = bits_per_byte(model, tokenizer, texts)
         result["ours_quantized_logits"] = {
@@ -275,7 +291,7 @@ def _eval(args: argparse.Namespace) -> int:
             "logit_bits": quantizer.bits,
             "granularity": quantizer.granularity,
         }
-        result["lm_eval"] = "skipped: the Hugging Face export cannot quantize attention logits"
+        result.setdefault("lm_eval", "skipped: the Hugging Face export cannot quantize attention logits")
     print(json.dumps(result, indent=2))
     return 0
 
@@ -433,6 +449,32 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["row", "tensor"],
         help="--logit-bits scale: per head and query row (default) or one per sequence and layer",
     )
+
+    quant = _command(
+        sub, "quantize", _quantize, "post-training quantization of a run into a new run directory (integer weights)"
+    )
+    quant.add_argument("--run", required=True, help="the trained (float) run directory")
+    quant.add_argument(
+        "--scheme",
+        required=True,
+        choices=["w8a16", "w4a16", "w8a8"],
+        help="w8a16: int8 per-channel weights; w4a16: int4 weights in groups of 32; w8a8: int8 weights and "
+        "int8 linear-layer inputs with calibrated scales",
+    )
+    quant.add_argument("--out", required=True, help="the new run directory (must not exist or be empty)")
+    quant.add_argument(
+        "--calib-samples",
+        type=_at_least(1),
+        default=300,
+        help="w8a8: training windows to calibrate on (default 300)",
+    )
+    quant.add_argument(
+        "--calibrator",
+        default="absmax",
+        choices=["absmax", "percentile"],
+        help="w8a8: input range = the largest |x| seen (default) or its 99.99th percentile",
+    )
+    quant.add_argument("--data", help="w8a8: the data directory (default: the one the run was trained on)")
 
     bench = _command(sub, "bench", _bench, "benchmarks: ratios measured side by side in one run")
     bench.add_argument("what", choices=["attention", "train", "decode"])

@@ -137,6 +137,10 @@ def to_hf(
         raise InputError("attention='diff_v2' has no Hugging Face architecture; convert a 'diff' or 'standard' model")
     if cfg.rope_theta is None:
         raise InputError("Hugging Face Llama models always use rotary embedding; this model has rope_theta=None")
+    from difftransformer.quantize import is_quantized
+
+    if is_quantized(model):
+        raise InputError("this model is quantized (difftx quantize): convert its float source run instead")
     if cfg.is_ablation:
         raise InputError(
             "this model uses an ablation option (head_norm, lambda_init or diff_heads) that DiffLlama and Llama cannot "

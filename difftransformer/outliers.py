@@ -61,13 +61,22 @@ class MagnitudeStats:
 
     def median(self) -> float:
         """The histogram's median: the geometric centre of the bin that holds the middle value."""
+        return self.quantile(0.5)
+
+    def quantile(self, q: float, upper: bool = False) -> float:
+        """The ``q``-quantile of |x| from the histogram: the geometric centre of the bin that holds it (within 1.2%),
+        or with ``upper`` that bin's upper edge or the largest value, whichever is smaller (a bound no smaller than
+        the quantile, for clipping ranges)."""
         if self.count == 0:
             return float("nan")
-        index = int(torch.searchsorted(self.counts.cumsum(0), (self.count + 1) // 2))
+        rank = max(1, min(self.count, int(torch.tensor(q * self.count, dtype=torch.float64).ceil())))
+        index = int(torch.searchsorted(self.counts.cumsum(0), rank))
         if index == 0:
             return float(EDGES[0])
         if index >= len(EDGES):
-            return float(EDGES[-1])
+            return float(self.top[0])
+        if upper:  # never above the largest value seen
+            return min(float(EDGES[index]), float(self.top[0]))
         return float(torch.sqrt(EDGES[index - 1] * EDGES[index]))
 
     def summary(self) -> dict:

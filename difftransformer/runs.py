@@ -19,6 +19,7 @@ from difftransformer.config import ModelConfig
 from difftransformer.errors import InputError
 from difftransformer.fsutil import write_new_dir
 from difftransformer.model import TransformerLM
+from difftransformer.quantize import quantized_shell, read_quantization
 from difftransformer.tokenizer import Tokenizer, load_tokenizer
 
 MODEL_CONFIG = "model_config.json"
@@ -88,7 +89,8 @@ def save_run(model: TransformerLM, tokenizer: Tokenizer, out_dir: str | Path, me
 
 
 def load_run(run_dir: str | Path, device: str | torch.device = "cpu") -> tuple[TransformerLM, Tokenizer]:
-    """(model in eval mode with the newest checkpoint's weights, tokenizer) of a run directory."""
+    """(model in eval mode with the newest checkpoint's weights, tokenizer) of a run directory (a quantized run's
+    model has QuantizedLinear layers)."""
     run = Path(run_dir)
     if not run.is_dir():
         raise FileNotFoundError(f"run directory {run} does not exist")
@@ -99,8 +101,11 @@ def load_run(run_dir: str | Path, device: str | torch.device = "cpu") -> tuple[T
     if not checkpoints:
         raise FileNotFoundError(f"{run} has no checkpoint (checkpoints/step_*/model.safetensors)")
     tensors = load_model_tensors(checkpoints[-1])
+    quantization = read_quantization(run)
     with torch.device("meta"):
         model = TransformerLM(config)
+        if quantization is not None:  # integer weights (difftx quantize), dequantized on first use
+            quantized_shell(model, quantization["scheme"])
     check_weights(model, tensors, str(checkpoints[-1] / "model.safetensors"), str(run / MODEL_CONFIG))
     with own_layout():
         model.load_state_dict(tensors, strict=True, assign=True)

@@ -45,6 +45,7 @@ from difftransformer.errors import ConfigError, InputError, Interrupted, Trainin
 from difftransformer.fsutil import check_new_dir, write_text_atomic
 from difftransformer.interrupts import StopSignals
 from difftransformer.model import TransformerLM
+from difftransformer.quantize import refuse_quantized
 from difftransformer.runs import LOCK, METRICS, MODEL_CONFIG, TRAIN_CONFIG, RunLock, check_weights, is_unstarted_run
 from difftransformer.tokenizer import load_tokenizer
 from difftransformer.train_config import TrainConfig, resume_config
@@ -179,6 +180,7 @@ class Trainer:
                 )
             self.model_config = ModelConfig.from_json(self.run_dir / MODEL_CONFIG)
         elif cfg.init_from:
+            refuse_quantized(Path(cfg.init_from), "start a run from it")
             self.model_config = ModelConfig.from_json(Path(cfg.init_from) / MODEL_CONFIG)
             start_tok = load_tokenizer(cfg.init_from)
             if start_tok.fingerprint() != data_tok["fingerprint"]:

@@ -206,8 +206,10 @@ def device_problem(device: object) -> str | None:
 def resume_config(run_dir: str | Path, max_steps: int | None = None, **changes: Any) -> TrainConfig:
     """The TrainConfig saved in a run directory, with ``changes`` applied: the fields in RESUMABLE may change,
     the others only be repeated with their saved value. The run is resumed where it lies (``out`` = run_dir)."""
+    from difftransformer.quantize import refuse_quantized
     from difftransformer.runs import TRAIN_CONFIG
 
+    refuse_quantized(Path(run_dir), "train further")
     path = Path(run_dir) / TRAIN_CONFIG
     if not path.is_file():
         raise FileNotFoundError(f"{run_dir} is not a run directory ({TRAIN_CONFIG} is missing)")

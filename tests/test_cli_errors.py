@@ -19,6 +19,7 @@ from conftest import SMALL, small_config, snapshot, write_corpus
 from difftransformer.cli import main
 from difftransformer.corpus import find_files, iter_documents
 from difftransformer.data import prepare, verify_data
+from difftransformer.ptq import quantize_run
 from difftransformer.tokenizer import train_bpe
 from difftransformer.train import train
 
@@ -40,6 +41,11 @@ def world(tmp_path_factory) -> Path:
     train(small_config(root / "data", root / "run", max_steps=4, ckpt_interval=4, eval_interval=4), quiet=True)
     for name in ("corrupt", "badconfig", "mismatch"):
         shutil.copytree(root / "run", root / name)
+    quantize_run(root / "run", "w8a16", root / "quant")
+    shutil.copytree(root / "run", root / "moved")
+    (root / "moved" / "train_config.json").write_text(
+        (root / "run" / "train_config.json").read_text().replace(str(root / "data"), str(root / "gone"))
+    )
     model = root / "corrupt" / "checkpoints" / "step_00000004" / "model.safetensors"
     data = bytearray(model.read_bytes())
     data[-3] ^= 0xFF
@@ -194,6 +200,17 @@ CASES = [
     ("analyze outliers --run {w}/badconfig --out {w}/o", "train_config.json is not valid JSON"),
     ("eval --run {w}/run --jsonl {w}/bad.jsonl --logit-bits 1", "logit bits must be an integer from 2 to 16"),
     ("eval --run {w}/run --jsonl {w}/bad.jsonl --logit-bits 4 --logit-granularity col", "invalid choice: 'col'"),
+    ("quantize --run {w}/run --scheme w2 --out {w}/q", "argument --scheme: invalid choice: 'w2'"),
+    ("quantize --run {w}/run --scheme w8a8 --out {w}/taken", "output directory {w}/taken already exists"),
+    ("quantize --run {w}/quant --scheme w8a16 --out {w}/q", "{w}/quant is already quantized (w8a16)"),
+    ("quantize --run {w}/moved --scheme w8a8 --out {w}/q", "but its data directory {w}/gone does not exist"),
+    ("quantize --run {w}/run --scheme w8a8 --out {w}/q --data {w}/data-bpe", "but {w}/run uses"),
+    ("quantize --run {w}/run --scheme w8a8 --out {w}/q --calib-samples 0", "argument --calib-samples: must be at"),
+    ("quantize --run {w}/run --scheme w8a8 --out {w}/q --calibrator mse", "argument --calibrator: invalid choice"),
+    ("quantize --run {w}/nothing --scheme w8a16 --out {w}/q", "run directory {w}/nothing does not exist"),
+    ("convert --run {w}/quant --out {w}/c", "this model is quantized"),
+    ("train --resume {w}/quant", "{w}/quant is a quantized run (w8a16), which cannot train further"),
+    (TRAIN + " --init-from {w}/quant", "{w}/quant is a quantized run (w8a16), which cannot start a run from it"),
     ("bench attention --threads 0", "argument --threads: must be at least 1, got 0"),
     ("bench attention --device cuda", "--device is 'cuda', but no CUDA GPU is available here"),
     ("repro needle --seeds 0", "argument --seeds: must be at least 1, got 0"),

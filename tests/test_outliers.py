@@ -119,3 +119,11 @@ def test_analyze_outliers_command_writes_the_report(tmp_path, prepared, capsys):
     table = (out / "outliers.md").read_text()
     assert "| paper 3B diff | 400,000 | 38.8 |" in table and "(standard) | 128 |" in table
     assert "wrote" in capsys.readouterr().out
+
+
+def test_quantiles_from_the_histogram():
+    stats = MagnitudeStats()
+    stats.add(torch.arange(1, 10001, dtype=torch.float32))
+    assert stats.quantile(0.9) == pytest.approx(9000, rel=0.012)
+    assert 9000 <= stats.quantile(0.9, upper=True) <= 9000 * 1.024  # the bin's upper edge
+    assert stats.quantile(1.0, upper=True) == 10000  # never above the largest value

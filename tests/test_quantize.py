@@ -1,0 +1,148 @@
+"""Post-training quantization: the integer formats on known values, the layers, and quantized runs end to end."""
+
+import json
+
+import pytest
+import torch
+from conftest import SMALL, small_config
+from torch import nn
+
+from difftransformer.cli import main
+from difftransformer.errors import InputError
+from difftransformer.quantize import (
+    QuantizedLinear,
+    dequantize_weight,
+    fake_quantize,
+    pack_int4,
+    quantize_weight,
+    unpack_int4,
+)
+
+
+def test_int8_per_channel_on_known_values():
+    weight = torch.tensor([[1.0, -0.5, 0.25, 0.0], [0.0, 0.0, 0.0, 0.0]])
+    values, scale = quantize_weight(weight, 8, 4)
+    # row 0: step 1/127; -63.5 rounds half to even (-64), 31.75 to 32; row 1 is all zero: values 0
+    assert values.dtype == torch.int8
+    assert values.tolist() == [[127, -64, 32, 0], [0, 0, 0, 0]]
+    torch.testing.assert_close(scale[0], torch.tensor([1 / 127]))
+    assert torch.equal(dequantize_weight(values, scale)[1], torch.zeros(4))
+
+
+@pytest.mark.parametrize("bits, group", [(8, 64), (4, 32), (4, 64)])
+def test_error_is_at_most_half_a_step_of_each_group(bits, group):
+    weight = torch.randn(16, 64) * torch.logspace(-2, 1, 16)[:, None]  # rows of very different ranges
+    values, scale = quantize_weight(weight, bits, group)
+    assert scale.shape == (16, 64 // group)
+    assert values.abs().max() <= 2 ** (bits - 1) - 1
+    error = (dequantize_weight(values, scale) - weight).abs().view(16, 64 // group, group)
+    assert (error <= scale[..., None] / 2 + 1e-7).all()
+    assert error.max() > 0  # it is a quantization, not a copy
+
+
+def test_int4_packing_round_trips_every_value():
+    values = torch.arange(-8, 8, dtype=torch.int8).repeat(3, 2)  # (3, 32)
+    packed = pack_int4(values)
+    assert packed.dtype == torch.uint8 and packed.shape == (3, 16)
+    assert torch.equal(unpack_int4(packed), values)
+    assert packed[0, 0] == (0 | (1 << 4))  # -8 -> 0 in the low nibble, -7 -> 1 in the high one
+
+
+def test_group_that_does_not_divide_is_refused():
+    with pytest.raises(InputError, match="group size 32 does not divide the 48 input features"):
+        quantize_weight(torch.randn(4, 48), 4, 32)
+
+
+def test_fake_quantize_snaps_to_the_grid_and_clips():
+    x = torch.tensor([0.0, 0.26, -1.0, 5.0])
+    out = fake_quantize(x, torch.tensor(1 / 127))
+    torch.testing.assert_close(out, torch.tensor([0.0, 33 / 127, -1.0, 1.0]))
+
+
+@pytest.mark.parametrize("bits, act", [(8, False), (4, False), (8, True)])
+def test_quantized_linear_is_the_linear_of_its_dequantized_weight(bits, act):
+    linear = nn.Linear(64, 24, bias=False)
+    layer = QuantizedLinear.from_linear(linear, bits, 0.02 if act else None)
+    x = torch.randn(3, 5, 64)
+    values, scale = quantize_weight(linear.weight, bits, 32 if bits == 4 else 64)
+    inputs = torch.round(x / 0.02).clamp(-127, 127) * 0.02 if act else x
+    torch.testing.assert_close(layer(x), inputs @ (values.float() * scale.repeat_interleave(64 // scale.shape[1], 1)).T)
+    assert layer.qweight.dtype == (torch.uint8 if bits == 4 else torch.int8)
+
+
+@pytest.fixture
+def trained(prepared, tmp_path):
+    from difftransformer.train import train
+
+    run = tmp_path / "run"
+    train(small_config(prepared, run, model={**SMALL, "n_layers": 2}, max_steps=6, ckpt_interval=6), quiet=True)
+    return run
+
+
+@pytest.mark.parametrize("scheme", ["w8a16", "w4a16", "w8a8"])
+def test_a_quantized_run_reloads_bit_exactly_and_generates(trained, tmp_path, scheme, capsys):
+    from difftransformer import load_run
+    from difftransformer.checkpoint import list_checkpoints, load_model_tensors
+    from difftransformer.ptq import quantize_run
+
+    out = tmp_path / scheme
+    spec = quantize_run(trained, scheme, out, calib_samples=8)
+    tensors = load_model_tensors(list_checkpoints(out)[-1])
+    qweight = tensors["layers.0.attn.q_proj.qweight"]
+    assert qweight.dtype == (torch.uint8 if scheme == "w4a16" else torch.int8)
+    assert ("layers.0.ffn.up_proj.input_scale" in tensors) == (scheme == "w8a8")
+    assert "layers.0.attn.q_proj.weight" not in tensors and "embed.weight" in tensors
+    assert json.loads((out / "quantization.json").read_text())["scheme"] == scheme
+    float_model, _ = load_run(trained)
+    first, _ = load_run(out)
+    second, _ = load_run(out)
+    tokens = torch.randint(0, 256, (2, 24))
+    with torch.no_grad():
+        assert torch.equal(first(tokens), second(tokens))
+        error = (first(tokens) - float_model(tokens)).abs().max()
+    assert 0 < error < 0.5
+    if scheme == "w8a8":
+        assert spec["calibration_split"] == "train" and spec["calibration_windows"] == 8
+    argv = ["generate", "--run", str(out), "--prompt", "the ", "--max-new-tokens", "5", "--temperature", "0"]
+    assert main(argv) == 0
+    assert capsys.readouterr().out.startswith("the ")
+
+
+def test_calibration_reads_only_training_windows(trained, tmp_path, monkeypatch):
+    import difftransformer.ptq as ptq
+
+    splits = []
+    original = ptq.eval_windows
+
+    def recording(data, seq_len, max_tokens):
+        splits.append(data.split)
+        return original(data, seq_len, max_tokens)
+
+    monkeypatch.setattr(ptq, "eval_windows", recording)
+    ptq.quantize_run(trained, "w8a8", tmp_path / "q", calib_samples=4)
+    assert splits == ["train"]
+
+
+def test_percentile_calibration_clips_below_absmax(trained, tmp_path):
+    from difftransformer.checkpoint import list_checkpoints, load_model_tensors
+    from difftransformer.ptq import quantize_run
+
+    quantize_run(trained, "w8a8", tmp_path / "abs", calib_samples=8, calibrator="absmax")
+    quantize_run(trained, "w8a8", tmp_path / "pct", calib_samples=8, calibrator="percentile")
+    scales = [load_model_tensors(list_checkpoints(tmp_path / n)[-1]) for n in ("abs", "pct")]
+    names = [k for k in scales[0] if k.endswith("input_scale")]
+    assert len(names) == 2 * 7
+    assert all(scales[1][n] <= scales[0][n] for n in names)
+    assert any(scales[1][n] < scales[0][n] for n in names)
+
+
+def test_eval_runs_a_quantized_run(trained, tmp_path, capsys):
+    from difftransformer.ptq import quantize_run
+
+    quantize_run(trained, "w8a16", tmp_path / "q")
+    jsonl = tmp_path / "t.jsonl"
+    jsonl.write_text(json.dumps({"text": "the attention noise"}) + "\n")
+    assert main(["eval", "--run", str(tmp_path / "q"), "--jsonl", str(jsonl)]) == 0
+    out = capsys.readouterr().out
+    result = json.loads(out[out.index("{") :])
+    assert result["ours"]["bits_per_byte"] > 0 and result["lm_eval"].startswith("skipped")
