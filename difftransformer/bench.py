@@ -420,5 +420,61 @@ def format_decode(result: dict) -> str:
     return "\n".join(lines)
 
 
+def bench_quantized(run: str | Path, contexts: list[int], tokens: int = 32, repeats: int = 3) -> dict:
+    """Size on disk and decode tokens/s of a quantized run against its float source run (batch 1, CPU)."""
+    from difftransformer.checkpoint import list_checkpoints
+    from difftransformer.errors import InputError
+    from difftransformer.quantize import read_quantization
+    from difftransformer.runs import load_run
+
+    run = Path(run)
+    spec = read_quantization(run) if run.is_dir() else None
+    if spec is None:
+        raise InputError(f"{run} is not a quantized run (no quantization.json): make one with difftx quantize")
+    source = Path(spec["source"])
+    if not source.is_dir():
+        raise FileNotFoundError(f"the float source {source} of {run} does not exist (moved or removed)")
+    paths = {"float": source, spec["scheme"]: run}
+    models = {name: load_run(path)[0] for name, path in paths.items()}
+    longest = max(contexts) + tokens + 1
+    if longest > models["float"].config.max_seq_len:
+        raise InputError(
+            f"a context of {max(contexts)} plus {tokens} new tokens exceeds the model context of {longest - 1}"
+        )
+    sizes = {name: (list_checkpoints(path)[-1] / "model.safetensors").stat().st_size for name, path in paths.items()}
+    rows = []
+    for context in contexts:
+        samples: dict[str, list[float]] = {name: [] for name in models}
+        for _ in range(repeats):  # interleaved, so that machine load hits both alike
+            for name, model in models.items():
+                samples[name] += _decode_seconds(model, context, tokens)
+        rows.append({"context": context, "tokens_per_s": {n: 1 / statistics.median(t) for n, t in samples.items()}})
+    cfg = models["float"].config
+    shapes = dict(run=str(run), source=str(source), scheme=spec["scheme"], attention=cfg.attention, batch=1,
+                  d_model=cfg.d_model, n_layers=cfg.n_layers, new_tokens=tokens, bytes=sizes)  # fmt: skip
+    return _result("quantized", shapes, repeats, rows)
+
+
+def format_quantized(result: dict) -> str:
+    s = result["shapes"]
+    scheme = s["scheme"]
+    lines = [
+        _title(result),
+        f"{s['run']} ({scheme}, {s['attention']}, d_model {s['d_model']}, {s['n_layers']} layers) against its float "
+        f"source, batch 1, median over {result['repeats']} x {s['new_tokens']} one-token steps after a prefill; "
+        "the quantized weights are dequantized at load (CPU), so speed is not expected to gain",
+        "",
+        f"model.safetensors: float {s['bytes']['float'] / 1e6:.2f} MB, {scheme} {s['bytes'][scheme] / 1e6:.2f} MB "
+        f"({s['bytes'][scheme] / s['bytes']['float']:.2f}x)",
+        "",
+        f"| context | float tokens/s | {scheme} tokens/s | {scheme} / float |",
+        "|---|---|---|---|",
+    ]
+    for row in result["rows"]:
+        t = row["tokens_per_s"]
+        lines.append(f"| {row['context']} | {t['float']:.1f} | {t[scheme]:.1f} | {t[scheme] / t['float']:.2f} |")
+    return "\n".join(lines)
+
+
 def write_json(result: dict, path: str | Path) -> None:
     Path(path).write_text(json.dumps(result, indent=2) + "\n")

@@ -65,6 +65,11 @@ def _bench(args: argparse.Namespace) -> int:
                 args.preset, args.seq, args.batch or 4, args.repeats, args.device, getattr(torch, args.dtype)
             )
             print(bench.format_train(result))
+        elif args.what == "quantized":
+            if args.run is None:
+                raise ConfigError("bench", "run", "is needed by bench quantized: a run made by difftx quantize")
+            result = bench.bench_quantized(args.run, args.context, args.tokens, args.repeats)
+            print(bench.format_quantized(result))
         else:
             result = bench.bench_decode(args.context, args.preset, args.tokens, args.repeats)
             print(bench.format_decode(result))
@@ -477,7 +482,8 @@ def build_parser() -> argparse.ArgumentParser:
     quant.add_argument("--data", help="w8a8: the data directory (default: the one the run was trained on)")
 
     bench = _command(sub, "bench", _bench, "benchmarks: ratios measured side by side in one run")
-    bench.add_argument("what", choices=["attention", "train", "decode"])
+    bench.add_argument("what", choices=["attention", "train", "decode", "quantized"])
+    bench.add_argument("--run", help="quantized: a run made by difftx quantize (compared with its float source)")
     bench.add_argument("--context", type=_at_least(1), nargs="+", default=[512, 2048], help="decode: prompt lengths")
     bench.add_argument("--preset", default="small", help="train, decode: the model preset")
     bench.add_argument("--tokens", type=_at_least(1), default=32, help="decode: timed steps per repeat")
@@ -499,7 +505,7 @@ def build_parser() -> argparse.ArgumentParser:
         _repro,
         "the paper's claims: attention noise on synthetic tasks (needle, allocation, icl) and language modeling (lm)",
     )
-    repro.add_argument("what", choices=["needle", "allocation", "icl", "lm", "all"])
+    repro.add_argument("what", choices=["needle", "allocation", "icl", "lm", "quant", "all"])
     repro.add_argument("--scale", default="cpu", choices=["cpu", "gpu"], help="model size and training budget")
     repro.add_argument(
         "--seeds", type=_at_least(1), default=3, help="seeds 0..n-1; each trains a DIFF and a standard model"
@@ -515,7 +521,10 @@ def build_parser() -> argparse.ArgumentParser:
     repro.add_argument(
         "--steps", type=_at_least(1), help="override the scale's training steps (quick checks; lm: the long budget)"
     )
-    repro.add_argument("--models", help="allocation: a needle report directory whose trained models to measure")
+    repro.add_argument(
+        "--models",
+        help="allocation: a needle report directory whose trained models to measure; quant: a `repro lm` directory",
+    )
     repro.add_argument(
         "--part",
         nargs="+",

@@ -431,3 +431,41 @@ def test_ctrl_c_stops_a_parallel_study_at_checkpoints(tmp_path):
     time.sleep(1.5)
     later = {p.parent.parent.name: int(p.name.removeprefix("step_")) for p in out.glob("runs/*/checkpoints/step_*")}
     assert later == steps  # nothing trains on after the study stopped
+
+
+def test_quant_study_on_the_pairs_of_a_toy_study(toy_study, tmp_path, monkeypatch):
+    from difftransformer.repro import quant
+
+    lm.run(toy_study, "toy", parts=("sweep", "grid"), seeds=[0, 1], workers=1)
+    monkeypatch.setitem(quant.SCALES, "cpu", dict(loss_windows=2, outlier_windows=1))
+    monkeypatch.setattr(quant, "CALIB_SAMPLES", 4)
+    monkeypatch.setattr(quant, "CALIB_CHECK", (2,))
+    out = tmp_path / "quant"
+    result = quant.run(out, "cpu", [0, 1], workers=2, models=toy_study)
+    assert [(p["size"], p["seed"]) for p in result["pairs"]] == [("A", 0), ("B", 0), ("B", 1)]
+    for pair in result["pairs"]:
+        for arch in ("diff", "standard"):
+            m = pair[arch]
+            assert m["attention"] == arch and m["val_tokens"] == 2 * TOY.seq_len
+            assert m["outlier_tokens"] == TOY.seq_len
+            assert set(m["logit_bits_loss"]) == {"16", "8", "6", "4"}
+            assert abs(m["logit_bits_loss"]["16"] - m["loss"]) < 1e-4
+            checked = pair["size"] == "B" and pair["seed"] == 0  # the reference size
+            extra = {"w8a8-absmax-2", "w8a8-percentile-4"} if checked else set()
+            assert set(m["ptq_loss"]) == {"w8a16", "w4a16", "w8a8"} | extra
+    assert result["correlations"]["logit_top1_vs_4bit_logit_increase"]["n"] == 6
+    section = (out / "section.md").read_text()
+    assert "| paper 3B | DIFF | 38.8 |" in section and "4-bit DIFF matches 6-bit Transformer" in section
+    assert (out / "quant_bits.png").stat().st_size > 1000
+    stamps = {p.name: p.stat().st_mtime_ns for p in (out / "measures").iterdir()}
+    assert quant.run(out, "cpu", [0, 1], workers=1, models=toy_study)["pairs"] == result["pairs"]
+    assert {p.name: p.stat().st_mtime_ns for p in (out / "measures").iterdir()} == stamps  # nothing re-measured
+
+
+def test_quant_study_needs_a_finished_pair(toy_study, tmp_path):
+    from difftransformer.repro import quant
+
+    with pytest.raises(InputError, match="the learning-rate sweep is not complete"):
+        quant.run(tmp_path / "q", "cpu", [0], 1, models=toy_study)
+    with pytest.raises(FileNotFoundError, match="holds no language-model study"):
+        quant.run(tmp_path / "q", "cpu", [0], 1, models=tmp_path)

@@ -178,11 +178,18 @@ def test_repro_all_writes_every_report(tmp_path, tiny_scales, capsys, monkeypatc
     monkeypatch.setitem(lm.SCALES, "cpu", replace(TOY, name="cpu", vocab_size=300))
     monkeypatch.setattr(lm, "DEFAULT_CORPORA", (str(corpus_dir),))
     monkeypatch.setattr(lm.corpus, "pydocs_documents", lambda: iter(["The built-in corpus, in short. " * 20] * 5))
+    from difftransformer.repro import quant
+
+    monkeypatch.setitem(quant.SCALES, "cpu", dict(loss_windows=1, outlier_windows=1))
+    monkeypatch.setattr(quant, "CALIB_SAMPLES", 2)
+    monkeypatch.setattr(quant, "CALIB_CHECK", ())
     out = tmp_path / "reports"
     assert main(["repro", "all", "--seeds", "2", "--workers", "1", "--out", str(out)]) == 0
     report = (out / "report.md").read_text()
-    for title in ("## Multi-needle retrieval", "## Attention allocation", "## In-context learning", "## Language mod"):
+    for title in ("## Multi-needle retrieval", "## Attention allocation", "## In-context learning", "## Language mod",
+                  "## Activation outliers and quantization"):  # fmt: skip
         assert title in report
+    assert json.loads((out / "quant" / "results.json").read_text())["study"] == str(out / "lm")
     for name in ("needle_depth_length.png", "needle_curves.png"):
         assert (out / "needle" / name).stat().st_size > 1000
     assert (out / "allocation" / "allocation_bars.png").is_file() and (out / "icl" / "icl_shots.png").is_file()

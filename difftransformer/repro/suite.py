@@ -10,7 +10,7 @@ from pathlib import Path
 from difftransformer.errors import InputError
 from difftransformer.fsutil import check_new_dir
 
-EXPERIMENTS = ("needle", "allocation", "icl", "lm")
+EXPERIMENTS = ("needle", "allocation", "icl", "lm", "quant")
 
 
 def run(
@@ -27,7 +27,8 @@ def run(
     """Run ``what`` (an experiment or 'all') into ``out``, which must be new or empty; returns the report path.
 
     allocation measures the needle task's models: those in ``models`` (a needle report directory) when given, the
-    ones ``all`` has just trained, or else it trains them itself.
+    ones ``all`` has just trained, or else it trains them itself; quant measures the language-model study in
+    ``models`` (or the one ``all`` has just run).
     """
     if what not in (*EXPERIMENTS, "all"):
         raise InputError(f"unknown experiment {what!r}; choose one of {', '.join(EXPERIMENTS)} or all")
@@ -47,6 +48,9 @@ def run(
         module = importlib.import_module(f"difftransformer.repro.{name}")
         if name == "allocation":
             source = Path(models) if models else (out / "needle" if what == "all" else None)
+            module.run(target, scale, seed_list, workers or 2, steps, models=source)
+        elif name == "quant":
+            source = Path(models) if models else (out / "lm" if what == "all" else None)
             module.run(target, scale, seed_list, workers or 2, steps, models=source)
         elif name == "lm":
             module.run(target, scale, parts or module.PARTS, seed_list, workers, steps, corpora)
