@@ -532,6 +532,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="lm: the parts to run (default all three, in order; grid and ablations need the sweep's result)",
     )
     repro.add_argument(
+        "--logit-bits",
+        type=int,
+        help="needle, icl: the final evaluation with attention logits quantized to this many bits (2-16)",
+    )
+    repro.add_argument(
         "--corpora",
         nargs="+",
         help="lm: corpus directories used besides the built-in one (default data/shakespeare data/sotu, made by "
@@ -568,8 +573,9 @@ def _repro(args: argparse.Namespace) -> int:
     out = args.out or ("reports" if args.what == "all" else f"reports/{args.what}")
     parts = tuple(args.part) if args.part else None
     report = suite.run(
-        args.what, out, args.scale, args.seeds, args.workers, args.steps, args.models, parts, args.corpora
-    )
+        args.what, out, args.scale, args.seeds, args.workers, args.steps, args.models, parts, args.corpora,
+        args.logit_bits,
+    )  # fmt: skip
     print(f"report: {report}")
     return 0
 

@@ -214,6 +214,8 @@ CASES = [
     ("bench attention --threads 0", "argument --threads: must be at least 1, got 0"),
     ("bench attention --device cuda", "--device is 'cuda', but no CUDA GPU is available here"),
     ("repro needle --seeds 0", "argument --seeds: must be at least 1, got 0"),
+    ("repro needle --out {w}/r --logit-bits 20", "logit bits must be an integer from 2 to 16, got 20"),
+    ("repro lm --out {w}/r --logit-bits 4", "--logit-bits applies to needle and icl (their final evaluation), not lm"),
     ("repro lm --out {w}/lm --corpora {w}/nothing", "corpus directory {w}/nothing does not exist; fetch it"),
     ("repro lm --out {w}/lm --corpora {w}/corpus --part grid", "the learning-rate sweep is not complete"),
     ("repro lm --out {w}/taken --corpora {w}/corpus", "{w}/taken is not empty and holds no study.json"),

@@ -239,3 +239,20 @@ def test_analyze_attention(tmp_path, capsys):
         argv = ["analyze", "attention", "--run", str(path), "--prompt-file", str(prompt), "--out", str(target)]
         assert main(argv) == 2
         assert message in capsys.readouterr().err
+
+
+def test_logit_bits_change_the_final_evaluation_only(tmp_path, tiny_scales, monkeypatch):
+    from difftransformer.attention.logits import active_probe
+    from difftransformer.repro import suite
+    from difftransformer.repro.fit import scaled_spec
+
+    suite.run("needle", tmp_path / "two", seeds=1, workers=1, logit_bits=2)
+    seen = []  # the probe active in each final evaluation, the training and its learning curve run without one
+    monkeypatch.setattr(needle, "evaluate", lambda model, spec: {"probe": repr(active_probe())})
+    monkeypatch.setattr(needle, "curve_score", lambda *a, **k: seen.append(active_probe()) or 0.0)
+    for bits in (None, 2):
+        run = needle.train_job("diff", 0, scaled_spec(needle.SCALES, "cpu", logit_bits=bits))
+        assert run["eval"]["probe"] == ("None" if bits is None else "LogitQuantizer(bits=2, granularity='row')")
+    assert seen and all(probe is None for probe in seen)
+    assert json.loads((tmp_path / "two" / "results.json").read_text())["spec"]["logit_bits"] == 2
+    assert "quantized to 2 bits" in (tmp_path / "two" / "section.md").read_text()

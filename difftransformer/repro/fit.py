@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from multiprocessing import get_context
 from pathlib import Path
@@ -20,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from difftransformer.attention.diff import own_layout
+from difftransformer.attention.logits import LogitQuantizer, check_bits, logit_probe
 from difftransformer.config import ModelConfig
 from difftransformer.errors import InputError
 from difftransformer.model import TransformerLM
@@ -46,6 +48,9 @@ class FitSpec:
     min_lr_ratio: float = 0.1
     eval_every: int = 250
     task: dict = field(default_factory=dict)  # the task's own options (e.g. needle counts)
+    logit_bits: int | None = (
+        None  # the final evaluation's attention logits quantized to this many bits (training: float)
+    )
 
     @property
     def max_steps(self) -> int:  # what train.lr_at reads
@@ -63,8 +68,11 @@ class FitSpec:
         )
 
 
-def scaled_spec(scales: dict[str, FitSpec], scale: str, steps: int | None = None) -> FitSpec:
-    """The experiment's spec at ``scale``, with the number of steps overridden when given (quick checks)."""
+def scaled_spec(
+    scales: dict[str, FitSpec], scale: str, steps: int | None = None, logit_bits: int | None = None
+) -> FitSpec:
+    """The experiment's spec at ``scale``, with the number of steps overridden when given (quick checks) and the
+    final evaluation's logit bits set when given."""
     if scale not in scales:
         raise InputError(f"unknown scale {scale!r}; choose one of {sorted(scales)}")
     spec = scales[scale]
@@ -72,7 +80,19 @@ def scaled_spec(scales: dict[str, FitSpec], scale: str, steps: int | None = None
         if steps < 1:
             raise InputError(f"--steps must be at least 1, got {steps}")
         spec = FitSpec(**{**asdict(spec), "steps": steps, "eval_every": max(1, min(spec.eval_every, steps))})
+    if logit_bits is not None:
+        spec = FitSpec(**{**asdict(spec), "logit_bits": check_bits(logit_bits)})
     return spec
+
+
+@contextmanager
+def final_evaluation(spec: FitSpec) -> Iterator[None]:
+    """The context of a model's final evaluation: attention logits quantized when ``spec.logit_bits`` says so."""
+    if spec.logit_bits is None:
+        yield
+        return
+    with logit_probe(LogitQuantizer(spec.logit_bits)):
+        yield
 
 
 def masked_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

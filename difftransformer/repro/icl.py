@@ -16,7 +16,7 @@ import torch
 
 from difftransformer.errors import InputError
 from difftransformer.repro import report
-from difftransformer.repro.fit import FitSpec, fit, model_from, scaled_spec, train_pairs
+from difftransformer.repro.fit import FitSpec, final_evaluation, fit, model_from, scaled_spec, train_pairs
 from difftransformer.repro.tasks import (
     EXAMPLE_FEATURES,
     FEATURES_PER_CLASS,
@@ -82,7 +82,8 @@ def train_job(attention: str, seed: int, spec: FitSpec) -> dict:
         partial(sample, classes=opts["classes"], shots=opts["shots"]),
         partial(curve_score, shots=opts["order_shots"], size=min(256, opts["eval_size"])),
     )
-    return {**run, "eval": evaluate(model_from(run), spec)}  # evaluated in the worker: in parallel
+    with final_evaluation(spec):  # evaluated in the worker: in parallel
+        return {**run, "eval": evaluate(model_from(run), spec)}
 
 
 def order_accuracies(model, eps: ICLEpisodes) -> dict[str, list[float]]:
@@ -111,8 +112,10 @@ def evaluate(model, spec: FitSpec) -> dict:
     return {"shots": shots, "orders": orders}
 
 
-def run(out: Path, scale: str, seeds: list[int], workers: int, steps: int | None = None) -> dict:
-    spec = scaled_spec(SCALES, scale, steps)
+def run(
+    out: Path, scale: str, seeds: list[int], workers: int, steps: int | None = None, logit_bits: int | None = None
+) -> dict:
+    spec = scaled_spec(SCALES, scale, steps, logit_bits)
     result = train_pairs(out, TASK, scale, spec, partial(train_job, spec=spec), seeds, workers)
     result.update(
         {
@@ -134,6 +137,7 @@ def markdown(result: dict) -> str:
     lines = [
         "## In-context learning",
         "",
+        *_bits_note(spec),
         "Synthetic many-shot classification: per episode, C classes each own "
         f"{FEATURES_PER_CLASS} random feature tokens and a random label token; an example is {EXAMPLE_FEATURES} of its "
         f"class's features and its label. Trained with {opts['shots']} "
@@ -197,3 +201,13 @@ def _plot(result: dict, out: Path) -> None:
     fig.tight_layout()
     fig.savefig(out / f"{TASK}_shots.png", dpi=110)
     plt.close(fig)
+
+
+def _bits_note(spec: dict) -> list[str]:
+    if spec.get("logit_bits") is None:
+        return []
+    return [
+        f"Final evaluation with the attention logits quantized to {spec['logit_bits']} bits (dynamic absmax per head "
+        "and query row); training and the learning curves ran in float.",
+        "",
+    ]

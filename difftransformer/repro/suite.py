@@ -11,6 +11,7 @@ from difftransformer.errors import InputError
 from difftransformer.fsutil import check_new_dir
 
 EXPERIMENTS = ("needle", "allocation", "icl", "lm", "quant")
+LOGIT_BITS = ("needle", "icl")  # the experiments whose final evaluation can run with quantized attention logits
 
 
 def run(
@@ -23,6 +24,7 @@ def run(
     models: str | Path | None = None,
     parts: tuple[str, ...] | None = None,
     corpora: list[str] | None = None,
+    logit_bits: int | None = None,
 ) -> Path:
     """Run ``what`` (an experiment or 'all') into ``out``, which must be new or empty; returns the report path.
 
@@ -34,6 +36,12 @@ def run(
         raise InputError(f"unknown experiment {what!r}; choose one of {', '.join(EXPERIMENTS)} or all")
     if seeds < 1:
         raise InputError(f"--seeds must be at least 1, got {seeds}")
+    if logit_bits is not None:
+        from difftransformer.attention.logits import check_bits
+
+        if what not in LOGIT_BITS:
+            raise InputError(f"--logit-bits applies to {' and '.join(LOGIT_BITS)} (their final evaluation), not {what}")
+        check_bits(logit_bits)
     out = Path(out)
     if what != "lm":
         check_new_dir(out, "report directory")
@@ -55,7 +63,7 @@ def run(
         elif name == "lm":
             module.run(target, scale, parts or module.PARTS, seed_list, workers, steps, corpora)
         else:
-            module.run(target, scale, seed_list, workers or 2, steps)
+            module.run(target, scale, seed_list, workers or 2, steps, logit_bits=logit_bits)
         print(f"difftx repro {name}: done in {time.perf_counter() - start:.0f} s -> {target / 'section.md'}")
         sections.append((target / "section.md").read_text())
     report = out / "report.md"
