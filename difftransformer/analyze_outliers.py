@@ -13,11 +13,10 @@ from pathlib import Path
 
 import torch
 
-from difftransformer.data import TokenData, eval_windows
 from difftransformer.errors import InputError
-from difftransformer.fsutil import read_json_object, write_new_dir, write_text_atomic
+from difftransformer.fsutil import write_new_dir, write_text_atomic
 from difftransformer.outliers import EDGES, TOPS, measure
-from difftransformer.runs import load_run
+from difftransformer.runs import load_run, run_windows
 
 PAPER_TOKENS = 400_000
 # Table 5 of the paper (3B models, 0.4M tokens): top-1, top-2, top-3, top-10, top-100, median
@@ -35,30 +34,6 @@ KINDS = {"attention_logits": "attention logits", "hidden_states": "hidden states
 COLUMNS = [f"top{k}" for k in TOPS] + ["median"]
 
 
-def validation_windows(run: str | Path, tokenizer, tokens: int, data: str | Path | None = None) -> torch.Tensor:
-    """About ``tokens`` tokens of the run's validation split as (N, seq_len + 1) windows."""
-    run = Path(run)
-    train_config = read_json_object(run / "train_config.json") if (run / "train_config.json").is_file() else {}
-    data_dir = Path(data) if data is not None else train_config.get("data")
-    if data_dir is None:
-        raise InputError(f"{run} does not say which data it was trained on (no train_config.json): name its data")
-    data_dir = Path(data_dir)
-    if not data_dir.is_dir():
-        raise FileNotFoundError(
-            f"the data directory {data_dir} of {run} does not exist (moved or removed): name the data directory "
-            "prepared with the run's tokenizer"
-        )
-    split = TokenData(data_dir, "val")
-    expected = split.manifest["tokenizer"]["fingerprint"]
-    if tokenizer.fingerprint() != expected:
-        raise InputError(
-            f"{data_dir} was tokenised with {expected}, but {run} uses {tokenizer.fingerprint()}: name data "
-            "prepared with the run's tokenizer"
-        )
-    seq_len = int(train_config.get("seq_len") or 256)
-    return eval_windows(split, seq_len, tokens)
-
-
 def analyze_outliers(
     runs: list[str | Path], out: str | Path, tokens: int = PAPER_TOKENS, data: str | Path | None = None, batch: int = 4
 ) -> Path:
@@ -73,7 +48,7 @@ def analyze_outliers(
     results = []
     for run in runs:
         model, tokenizer = load_run(run)
-        windows = validation_windows(run, tokenizer, tokens, data)
+        windows, _ = run_windows(run, tokenizer, "val", tokens=tokens, data=data)
         recorder = measure(model.float(), windows[:, :-1], batch)
         results.append(
             {

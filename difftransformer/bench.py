@@ -371,6 +371,18 @@ def _decode_seconds(model: TransformerLM, context: int, tokens: int) -> list[flo
     return times
 
 
+def _decode_rows(models: dict[str, TransformerLM], contexts: list[int], tokens: int, repeats: int) -> list[dict]:
+    """Median decode tokens/s of each model at each context, the models interleaved so that load hits them alike."""
+    rows = []
+    for context in contexts:
+        samples: dict[str, list[float]] = {name: [] for name in models}
+        for _ in range(repeats):
+            for name, model in models.items():
+                samples[name] += _decode_seconds(model, context, tokens)
+        rows.append({"context": context, "tokens_per_s": {n: 1 / statistics.median(t) for n, t in samples.items()}})
+    return rows
+
+
 def bench_decode(contexts: list[int], preset: str = "small", tokens: int = 32, repeats: int = 3) -> dict:
     """Decode tokens/s with a KV cache, DIFF vs standard built from the same preset (batch 1)."""
     models = {}
@@ -378,13 +390,7 @@ def bench_decode(contexts: list[int], preset: str = "small", tokens: int = 32, r
         torch.manual_seed(0)
         cfg = ModelConfig.preset(preset, attention=attention, max_seq_len=max(contexts) + tokens + 1)
         models[attention] = TransformerLM(cfg).eval()
-    rows = []
-    for context in contexts:
-        samples: dict[str, list[float]] = {name: [] for name in models}
-        for _ in range(repeats):  # interleaved, so that machine load hits both alike
-            for name, model in models.items():
-                samples[name] += _decode_seconds(model, context, tokens)
-        rows.append({"context": context, "tokens_per_s": {n: 1 / statistics.median(t) for n, t in samples.items()}})
+    rows = _decode_rows(models, contexts, tokens, repeats)
     cfg = models["diff"].config
     return _result(
         "decode",
@@ -442,13 +448,7 @@ def bench_quantized(run: str | Path, contexts: list[int], tokens: int = 32, repe
             f"a context of {max(contexts)} plus {tokens} new tokens exceeds the model context of {longest - 1}"
         )
     sizes = {name: (list_checkpoints(path)[-1] / "model.safetensors").stat().st_size for name, path in paths.items()}
-    rows = []
-    for context in contexts:
-        samples: dict[str, list[float]] = {name: [] for name in models}
-        for _ in range(repeats):  # interleaved, so that machine load hits both alike
-            for name, model in models.items():
-                samples[name] += _decode_seconds(model, context, tokens)
-        rows.append({"context": context, "tokens_per_s": {n: 1 / statistics.median(t) for n, t in samples.items()}})
+    rows = _decode_rows(models, contexts, tokens, repeats)
     cfg = models["float"].config
     shapes = dict(run=str(run), source=str(source), scheme=spec["scheme"], attention=cfg.attention, batch=1,
                   d_model=cfg.d_model, n_layers=cfg.n_layers, new_tokens=tokens, bytes=sizes)  # fmt: skip

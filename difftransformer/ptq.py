@@ -10,12 +10,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
 from difftransformer.checkpoint import list_checkpoints, save_checkpoint
-from difftransformer.data import TokenData, eval_windows
 from difftransformer.errors import InputError
-from difftransformer.fsutil import check_new_dir, read_json_object, write_new_dir, write_text_atomic
+from difftransformer.fsutil import check_new_dir, write_new_dir, write_text_atomic
 from difftransformer.quantize import (
     CALIB_SAMPLES,
     CALIBRATORS,
@@ -27,33 +24,7 @@ from difftransformer.quantize import (
     spec_json,
     target_linears,
 )
-from difftransformer.runs import MODEL_CONFIG, TRAIN_CONFIG, load_run
-
-
-def calibration_windows(run: Path, tokenizer, samples: int, data: str | Path | None) -> tuple[torch.Tensor, Path]:
-    """``samples`` evenly spaced windows of the run's training split (never validation), seq_len + 1 tokens each."""
-    train_config = read_json_object(run / TRAIN_CONFIG) if (run / TRAIN_CONFIG).is_file() else {}
-    source = data if data is not None else train_config.get("data")
-    if source is None:
-        raise InputError(
-            f"w8a8 calibrates on the run's training data, but {run} does not say which data it was trained on "
-            f"(no {TRAIN_CONFIG}): name the data directory"
-        )
-    data_dir = Path(source)
-    if not data_dir.is_dir():
-        raise FileNotFoundError(
-            f"w8a8 calibrates on the run's training data, but its data directory {data_dir} does not exist (moved or "
-            "removed): name the data directory prepared with the run's tokenizer"
-        )
-    split = TokenData(data_dir, "train")
-    expected = split.manifest["tokenizer"]["fingerprint"]
-    if tokenizer.fingerprint() != expected:
-        raise InputError(
-            f"{data_dir} was tokenised with {expected}, but {run} uses {tokenizer.fingerprint()}: name data prepared "
-            "with the run's tokenizer"
-        )
-    seq_len = int(train_config.get("seq_len") or 256)
-    return eval_windows(split, seq_len, samples * seq_len), data_dir
+from difftransformer.runs import MODEL_CONFIG, load_run, run_windows
 
 
 def quantize_run(
@@ -89,7 +60,10 @@ def quantize_run(
     }
     scales = None
     if SCHEMES[scheme][1]:
-        windows, data_dir = calibration_windows(run, tokenizer, calib_samples, data)
+        try:  # the training split only: calibration never sees validation text
+            windows, data_dir = run_windows(run, tokenizer, "train", windows=calib_samples, data=data)
+        except (InputError, OSError) as err:
+            raise type(err)(f"w8a8 calibrates on the run's training data: {err}") from None
         scales = calibrate(model, windows[:, :-1], calibrator)
         spec.update(
             calibrator=calibrator,

@@ -16,8 +16,9 @@ import torch
 from difftransformer.attention.diff import own_layout
 from difftransformer.checkpoint import list_checkpoints, load_model_tensors, save_checkpoint
 from difftransformer.config import ModelConfig
+from difftransformer.data import TokenData, eval_windows
 from difftransformer.errors import InputError
-from difftransformer.fsutil import write_new_dir
+from difftransformer.fsutil import read_json_object, write_new_dir
 from difftransformer.model import TransformerLM
 from difftransformer.quantize import quantized_shell, read_quantization
 from difftransformer.tokenizer import Tokenizer, load_tokenizer
@@ -112,3 +113,36 @@ def load_run(run_dir: str | Path, device: str | torch.device = "cpu") -> tuple[T
     if config.tie_embeddings:
         model.lm_head.weight = model.embed.weight
     return model.to(device).eval(), load_tokenizer(run)
+
+
+def run_windows(
+    run: str | Path,
+    tokenizer: Tokenizer,
+    split: str,
+    tokens: int | None = None,
+    windows: int | None = None,
+    data: str | Path | None = None,
+) -> tuple[torch.Tensor, Path]:
+    """(evenly spaced windows of the run's training length + 1 from ``split`` of its data, about ``tokens`` tokens
+    or ``windows`` windows; the data directory): the data the run was trained on, or ``data``, which must use the
+    run's tokenizer."""
+    run = Path(run)
+    train_config = read_json_object(run / TRAIN_CONFIG) if (run / TRAIN_CONFIG).is_file() else {}
+    source = data if data is not None else train_config.get("data")
+    if source is None:
+        raise InputError(f"{run} does not say which data it was trained on (no {TRAIN_CONFIG}): name its data")
+    data_dir = Path(source)
+    if not data_dir.is_dir():
+        raise FileNotFoundError(
+            f"the data directory {data_dir} of {run} does not exist (moved or removed): name the data directory "
+            "prepared with the run's tokenizer"
+        )
+    token_data = TokenData(data_dir, split)
+    expected = token_data.manifest["tokenizer"]["fingerprint"]
+    if tokenizer.fingerprint() != expected:
+        raise InputError(
+            f"{data_dir} was tokenised with {expected}, but {run} uses {tokenizer.fingerprint()}: name data prepared "
+            "with the run's tokenizer"
+        )
+    seq_len = int(train_config.get("seq_len") or 256)
+    return eval_windows(token_data, seq_len, tokens if tokens is not None else windows * seq_len), data_dir

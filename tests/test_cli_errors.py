@@ -203,7 +203,7 @@ CASES = [
     ("quantize --run {w}/run --scheme w2 --out {w}/q", "argument --scheme: invalid choice: 'w2'"),
     ("quantize --run {w}/run --scheme w8a8 --out {w}/taken", "output directory {w}/taken already exists"),
     ("quantize --run {w}/quant --scheme w8a16 --out {w}/q", "{w}/quant is already quantized (w8a16)"),
-    ("quantize --run {w}/moved --scheme w8a8 --out {w}/q", "but its data directory {w}/gone does not exist"),
+    ("quantize --run {w}/moved --scheme w8a8 --out {w}/q", "training data: the data directory {w}/gone of {w}/moved"),
     ("quantize --run {w}/run --scheme w8a8 --out {w}/q --data {w}/data-bpe", "but {w}/run uses"),
     ("quantize --run {w}/run --scheme w8a8 --out {w}/q --calib-samples 0", "argument --calib-samples: must be at"),
     ("quantize --run {w}/run --scheme w8a8 --out {w}/q --calibrator mse", "argument --calibrator: invalid choice"),

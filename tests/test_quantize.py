@@ -110,15 +110,16 @@ def test_a_quantized_run_reloads_bit_exactly_and_generates(trained, tmp_path, sc
 
 def test_calibration_reads_only_training_windows(trained, tmp_path, monkeypatch):
     import difftransformer.ptq as ptq
+    import difftransformer.runs as runs
 
     splits = []
-    original = ptq.eval_windows
+    original = runs.eval_windows
 
     def recording(data, seq_len, max_tokens):
         splits.append(data.split)
         return original(data, seq_len, max_tokens)
 
-    monkeypatch.setattr(ptq, "eval_windows", recording)
+    monkeypatch.setattr(runs, "eval_windows", recording)
     ptq.quantize_run(trained, "w8a8", tmp_path / "q", calib_samples=4)
     assert splits == ["train"]
 

@@ -137,7 +137,7 @@ def markdown(result: dict) -> str:
     lines = [
         "## In-context learning",
         "",
-        *_bits_note(spec),
+        *report.logit_bits_note(spec),
         "Synthetic many-shot classification: per episode, C classes each own "
         f"{FEATURES_PER_CLASS} random feature tokens and a random label token; an example is {EXAMPLE_FEATURES} of its "
         f"class's features and its label. Trained with {opts['shots']} "
@@ -201,13 +201,3 @@ def _plot(result: dict, out: Path) -> None:
     fig.tight_layout()
     fig.savefig(out / f"{TASK}_shots.png", dpi=110)
     plt.close(fig)
-
-
-def _bits_note(spec: dict) -> list[str]:
-    if spec.get("logit_bits") is None:
-        return []
-    return [
-        f"Final evaluation with the attention logits quantized to {spec['logit_bits']} bits (dynamic absmax per head "
-        "and query row); training and the learning curves ran in float.",
-        "",
-    ]

@@ -112,7 +112,7 @@ def markdown(result: dict) -> str:
     lines = [
         "## Multi-needle retrieval",
         "",
-        *_bits_note(spec),
+        *report.logit_bits_note(spec),
         f"Matched DIFF / standard models (d_model {spec['d_model']}, {spec['n_layers']} layers, DIFF "
         f"{spec['n_heads'] // 2} heads vs standard {spec['n_heads']}), {spec['steps']} steps of batch "
         f"{spec['batch_size']} at context {spec['seq_len']}, N drawn from {spec['task']['needles']}, seeds {seeds}. "
@@ -181,13 +181,3 @@ def _plots(result: dict, out: Path) -> None:
     fig.savefig(out / f"{TASK}_depth_length.png", dpi=110)
     plt.close(fig)
     report.plot_curves(result["runs"], out / f"{TASK}_curves.png", "accuracy, N=4 R=2")
-
-
-def _bits_note(spec: dict) -> list[str]:
-    if spec.get("logit_bits") is None:
-        return []
-    return [
-        f"Final evaluation with the attention logits quantized to {spec['logit_bits']} bits (dynamic absmax per head "
-        "and query row); training and the learning curves ran in float.",
-        "",
-    ]

@@ -84,3 +84,14 @@ def plot_curves(runs: list[dict], path: Path, ylabel: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def logit_bits_note(spec: dict) -> list[str]:
+    """The report lines that say a final evaluation ran with quantized attention logits (none when it did not)."""
+    if spec.get("logit_bits") is None:
+        return []
+    return [
+        f"Final evaluation with the attention logits quantized to {spec['logit_bits']} bits (dynamic absmax per head "
+        "and query row); training and the learning curves ran in float.",
+        "",
+    ]
