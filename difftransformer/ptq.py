@@ -63,7 +63,8 @@ def quantize_run(
         try:  # the training split only: calibration never sees validation text
             windows, data_dir = run_windows(run, tokenizer, "train", windows=calib_samples, data=data)
         except (InputError, OSError) as err:
-            raise type(err)(f"w8a8 calibrates on the run's training data: {err}") from None
+            kind = InputError if isinstance(err, InputError) else FileNotFoundError
+            raise kind(f"w8a8 calibrates on the run's training data: {err}") from None
         scales = calibrate(model, windows[:, :-1], calibrator)
         spec.update(
             calibrator=calibrator,
