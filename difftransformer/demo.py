@@ -189,12 +189,14 @@ def study_context(path: Path = STUDY) -> list[str]:
             for key in pairs
         )
         lines.append(f"  DIFF has the lower loss at {lower} of {len(pairs)} (size, budget) points (seed 0)")
+    shown = {"diff-all-heads": "with as many differential heads as standard heads", "diff-no-head-norm": "without "
+             "the per-head norm", "diff-lambda-0.8": "with a constant lambda_init of 0.8"}  # fmt: skip
     for row in result.get("ablations", []):
-        if row["variant"] == "diff-all-heads":
+        if row["variant"] in shown:
             mean, low, high = row["interval_minus_diff"]
             lines.append(
-                f"  DIFF with as many differential heads as standard heads: {mean:+.4f} nats vs DIFF (95% interval "
-                f"{low:+.4f} to {high:+.4f})"
+                f"  DIFF {shown[row['variant']]}: {mean:+.4f} nats vs DIFF (95% interval {low:+.4f} to {high:+.4f}; "
+                f"{sc['steps'][1]} steps)"
             )
     if len(lines) == 1:
         lines.append("  (its grid is not complete yet)")
