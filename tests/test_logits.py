@@ -111,3 +111,17 @@ def test_a_cached_decode_passes_through_the_probe():
     with logit_probe(lambda s, a: calls.append(s.shape[-2]) or s):
         generate(model, torch.randint(0, 64, (1, 5)), max_new_tokens=3, temperature=0.0)
     assert calls[:2] == [5, 5] and calls[2:] == [1] * (len(calls) - 2) and len(calls) > 2
+
+
+def test_probes_nest_and_end_with_their_context():
+    from difftransformer.attention.logits import active_probe
+
+    outer, inner = LogitQuantizer(8), LogitQuantizer(4)
+    with logit_probe(outer):
+        with logit_probe(inner):
+            assert active_probe() is inner
+        assert active_probe() is outer
+        with pytest.raises(RuntimeError), logit_probe(inner):
+            raise RuntimeError("an error inside")
+        assert active_probe() is outer
+    assert active_probe() is None

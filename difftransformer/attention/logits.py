@@ -14,7 +14,6 @@ scale for all heads and rows of one sequence in one layer).
 
 from __future__ import annotations
 
-import contextvars
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -25,22 +24,26 @@ from difftransformer.errors import InputError
 Probe = Callable[[torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 GRANULARITIES = ("row", "tensor")
 
-_PROBE: contextvars.ContextVar[Probe | None] = contextvars.ContextVar("difftransformer_logit_probe", default=None)
+# A module global rather than a context variable: torch.compile traces a global read without a graph break (and
+# guards on it), where ContextVar.get breaks the graph. So a probe is process-wide, not per thread.
+_PROBE: Probe | None = None
 
 
 @contextmanager
 def logit_probe(probe: Probe) -> Iterator[None]:
-    """Route every attention call inside through the materialising path, with ``probe`` applied to its logits."""
-    token = _PROBE.set(probe)
+    """Route every attention call inside through the materialising path, with ``probe`` applied to its logits
+    (process-wide while the context is open; contexts nest)."""
+    global _PROBE
+    outer, _PROBE = _PROBE, probe
     try:
         yield
     finally:
-        _PROBE.reset(token)
+        _PROBE = outer
 
 
 def active_probe() -> Probe | None:
-    """The probe of the innermost ``logit_probe`` context, or None."""
-    return _PROBE.get()
+    """The probe of the innermost open ``logit_probe`` context, or None."""
+    return _PROBE
 
 
 def check_bits(bits: int) -> int:
