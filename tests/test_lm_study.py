@@ -460,6 +460,13 @@ def test_quant_study_on_the_pairs_of_a_toy_study(toy_study, tmp_path, monkeypatc
     stamps = {p.name: p.stat().st_mtime_ns for p in (out / "measures").iterdir()}
     assert quant.run(out, "cpu", [0, 1], workers=1, models=toy_study)["pairs"] == result["pairs"]
     assert {p.name: p.stat().st_mtime_ns for p in (out / "measures").iterdir()} == stamps  # nothing re-measured
+    with pytest.raises(InputError, match="holds measurements of another plan"):
+        quant.run(out, "gpu", [0, 1], workers=1, models=toy_study)
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "mine.txt").write_text("keep")
+    with pytest.raises(InputError, match="is not empty and holds no quant.json"):
+        quant.run(tmp_path / "other", "cpu", [0, 1], workers=1, models=toy_study)
+    assert [p.name for p in (tmp_path / "other").iterdir()] == ["mine.txt"]
 
 
 def test_quant_study_needs_a_finished_pair(toy_study, tmp_path):

@@ -10,7 +10,8 @@ best learning rate: every size at seed 0, the reference size at every seed), on 
   on ``CALIB_SAMPLES`` training windows), and, for the reference pair at seed 0, w8a8 with fewer calibration
   windows and with the percentile calibrator, to show what the default number buys.
 
-Each model's measures are written to ``out/measures/NAME.json`` as it finishes; a second run skips what is there.
+Each model's measures are written to ``out/measures/NAME.json`` as it finishes; the same command continues an
+interrupted study (``out/quant.json`` holds its plan) and skips what is there.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from difftransformer.repro import lm
 from difftransformer.repro.lm_measure import token_losses
 from difftransformer.runs import load_run
 
+PLAN = "quant.json"
 BITS = (16, 8, 6, 4)
 SCHEMES = ("w8a16", "w4a16", "w8a8")
 CALIB_CHECK = (30, 100)  # fewer calibration windows, for the reference pair at seed 0
@@ -75,6 +77,7 @@ def run(out: Path, scale: str, seeds: list[int], workers: int, steps: int | None
     found = pairs(study)
     data = study / "data"
     config = {**SCALES[scale], "calib_samples": CALIB_SAMPLES, "calib_check": list(CALIB_CHECK)}
+    _open(out, {"study": str(study.resolve()), "scale": scale, **config})
     (out / "measures").mkdir(parents=True, exist_ok=True)
     jobs = []
     for pair in found:
@@ -93,6 +96,24 @@ def run(out: Path, scale: str, seeds: list[int], workers: int, steps: int | None
     _figures(result, out)
     write_text_atomic(out / "section.md", markdown(result))
     return result
+
+
+def _open(out: Path, plan: dict) -> None:
+    """Create out/quant.json, or check that the measurements already in ``out`` were made with this plan (an
+    interrupted study continues in its own directory; nothing of another is mixed in)."""
+    path = out / PLAN
+    if path.is_file():
+        saved = read_json_object(path)
+        if saved != json.loads(json.dumps(plan)):
+            raise InputError(
+                f"{out} holds measurements of another plan ({path}: study {saved.get('study')}, scale "
+                f"{saved.get('scale')!r}); continue it with the same --models and --scale, or give a new --out"
+            )
+        return
+    if out.exists() and any(out.iterdir()):
+        raise InputError(f"{out} is not empty and holds no {PLAN}: give a new or empty --out")
+    out.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(path, json.dumps(plan, indent=1) + "\n")
 
 
 def _measure_job(job: tuple) -> str:

@@ -1,5 +1,5 @@
 """`difftx repro`: run one experiment or all of them into a new report directory (the language-model study, ``lm``,
-also continues an interrupted study in its own directory)."""
+and the quantization study on it, ``quant``, also continue an interrupted run in their own directory)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from difftransformer.errors import InputError
 from difftransformer.fsutil import check_new_dir
 
 EXPERIMENTS = ("needle", "allocation", "icl", "lm", "quant")
+CONTINUED = ("lm", "quant")  # experiments that continue an interrupted run in their own directory
 LOGIT_BITS = ("needle", "icl")  # the experiments whose final evaluation can run with quantized attention logits
 
 
@@ -43,14 +44,14 @@ def run(
             raise InputError(f"--logit-bits applies to {' and '.join(LOGIT_BITS)} (their final evaluation), not {what}")
         check_bits(logit_bits)
     out = Path(out)
-    if what != "lm":
+    if what not in CONTINUED:
         check_new_dir(out, "report directory")
     seed_list = list(range(seeds))
     todo = EXPERIMENTS if what == "all" else (what,)
     sections = []
     for name in todo:
         target = out / name if what == "all" else out
-        if name != "lm":  # the language-model study checks its directory before it writes anything
+        if name not in CONTINUED:  # these check their directory themselves before they write anything
             target.mkdir(parents=True, exist_ok=True)
         start = time.perf_counter()
         module = importlib.import_module(f"difftransformer.repro.{name}")
