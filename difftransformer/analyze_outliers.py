@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from difftransformer.errors import InputError
-from difftransformer.fsutil import write_new_dir, write_text_atomic
+from difftransformer.fsutil import check_new_dir, write_new_dir, write_text_atomic
 from difftransformer.outliers import EDGES, TOPS, measure
 from difftransformer.runs import load_run, run_windows
 
@@ -43,8 +43,7 @@ def analyze_outliers(
     if tokens < 1:
         raise InputError(f"tokens must be at least 1, got {tokens}")
     out = Path(out)
-    if out.exists() and any(out.iterdir()):
-        raise FileExistsError(f"output directory {out} already exists and is not empty; choose another or remove it")
+    check_new_dir(out, "output directory")  # before the measuring, not only when writing
     results = []
     for run in runs:
         model, tokenizer = load_run(run)

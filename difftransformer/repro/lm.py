@@ -39,7 +39,7 @@ import torch
 from difftransformer import corpus
 from difftransformer.data import TokenData, eval_windows, is_val_document, prepare, read_manifest
 from difftransformer.errors import InputError, Interrupted, TrainingDiverged
-from difftransformer.fsutil import read_json_object, write_text_atomic
+from difftransformer.fsutil import open_plan, read_json_object, write_text_atomic
 from difftransformer.interrupts import StopSignals
 from difftransformer.model import count_parameters
 from difftransformer.repro import lm_measure
@@ -250,20 +250,16 @@ def ensure_data(out: Path, scale: Scale, corpora: list[str | Path]) -> Path:
 def open_study(out: Path, scale: Scale, seeds: list[int]) -> dict:
     """Create out/study.json, or check that the study already in ``out`` is this one."""
     record = {"scale": dataclasses.asdict(scale), "seeds": seeds}
-    path = out / STUDY
-    if path.is_file():
-        saved = read_json_object(path)
-        if json.loads(json.dumps(record)) != saved:
-            raise InputError(
-                f"{out} holds a study with another plan ({path}: scale {saved.get('scale', {}).get('name')!r}, seeds "
-                f"{saved.get('seeds')}); continue it with the same --scale, --steps and --seeds, or give a new --out"
-            )
-        return saved
-    if out.exists() and any(p.name != STUDY for p in out.iterdir()):
-        raise InputError(f"{out} is not empty and holds no {STUDY}: give a new or empty --out for a new study")
-    out.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(path, json.dumps(record, indent=1) + "\n")
-    return record
+    return open_plan(
+        out,
+        STUDY,
+        record,
+        "study",
+        lambda saved, path: (
+            f"{out} holds a study with another plan ({path}: scale {saved.get('scale', {}).get('name')!r}, seeds "
+            f"{saved.get('seeds')}); continue it with the same --scale, --steps and --seeds, or give a new --out"
+        ),
+    )
 
 
 def read_measures(out: Path) -> dict[str, dict]:

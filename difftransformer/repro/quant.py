@@ -28,7 +28,7 @@ import torch
 from difftransformer.attention.logits import LogitQuantizer, logit_probe
 from difftransformer.data import TokenData, eval_windows
 from difftransformer.errors import InputError
-from difftransformer.fsutil import read_json_object, write_text_atomic
+from difftransformer.fsutil import open_plan, read_json_object, write_text_atomic
 from difftransformer.outliers import measure as measure_outliers
 from difftransformer.quantize import CALIB_SAMPLES
 from difftransformer.repro import lm
@@ -101,19 +101,16 @@ def run(out: Path, scale: str, seeds: list[int], workers: int, steps: int | None
 def _open(out: Path, plan: dict) -> None:
     """Create out/quant.json, or check that the measurements already in ``out`` were made with this plan (an
     interrupted study continues in its own directory; nothing of another is mixed in)."""
-    path = out / PLAN
-    if path.is_file():
-        saved = read_json_object(path)
-        if saved != json.loads(json.dumps(plan)):
-            raise InputError(
-                f"{out} holds measurements of another plan ({path}: study {saved.get('study')}, scale "
-                f"{saved.get('scale')!r}); continue it with the same --models and --scale, or give a new --out"
-            )
-        return
-    if out.exists() and any(out.iterdir()):
-        raise InputError(f"{out} is not empty and holds no {PLAN}: give a new or empty --out")
-    out.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(path, json.dumps(plan, indent=1) + "\n")
+    open_plan(
+        out,
+        PLAN,
+        plan,
+        "quantization study",
+        lambda saved, path: (
+            f"{out} holds measurements of another plan ({path}: study {saved.get('study')}, scale "
+            f"{saved.get('scale')!r}); continue it with the same --models and --scale, or give a new --out"
+        ),
+    )
 
 
 def _measure_job(job: tuple) -> str:
