@@ -17,7 +17,7 @@ log="$OUT/gpu.log"
   echo "== bf16 kernel vs float64 plain path, T = 2048"
   timeout 60 python3 - <<'PY'
 import torch
-from difftransformer.attention import kernels
+from difftransformer.core.attention import kernels
 torch.manual_seed(0)
 q = torch.randn(2, 8, 2, 2048, 64, device="cuda"); k = torch.randn(2, 4, 2, 2048, 64, device="cuda")
 v = torch.randn(2, 4, 2048, 128, device="cuda"); lam = torch.tensor(0.6, device="cuda")

@@ -1,10 +1,10 @@
 """difftransformer: the Differential Transformer (Ye et al., ICLR 2025), faithful and fast."""
 
-from difftransformer.attention import MultiheadAttention, MultiheadDiffAttn, MultiheadDiffAttnV2
-from difftransformer.config import ModelConfig
-from difftransformer.generate import generate
-from difftransformer.model import TransformerLM, count_parameters
-from difftransformer.runs import load_run
+from difftransformer.core.attention import MultiheadAttention, MultiheadDiffAttn, MultiheadDiffAttnV2
+from difftransformer.core.config import ModelConfig
+from difftransformer.core.model import TransformerLM, count_parameters
+from difftransformer.inference.generate import generate
+from difftransformer.training.runs import load_run
 
 __version__ = "0.1.0"
 

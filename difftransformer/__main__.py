@@ -1,5 +1,5 @@
 import sys
 
-from difftransformer.cli import main
+from difftransformer.apps.cli import main
 
 sys.exit(main())

@@ -48,9 +48,9 @@ def corpus_dir(tmp_path):
 @pytest.fixture
 def prepared(tmp_path, corpus_dir):
     """A prepared byte-level data directory of the small corpus."""
-    from difftransformer.corpus import find_files, iter_documents
-    from difftransformer.data import prepare
-    from difftransformer.tokenizer import ByteTokenizer
+    from difftransformer.training.corpus import find_files, iter_documents
+    from difftransformer.training.data import prepare
+    from difftransformer.training.tokenizer import ByteTokenizer
 
     out = tmp_path / "data"
     prepare(iter_documents(find_files([corpus_dir])), ByteTokenizer(), out, val_every=10)
@@ -62,7 +62,7 @@ SMALL = {"d_model": 64, "n_layers": 2, "n_heads": 4}
 
 def small_config(prepared, out, **overrides):
     """A TrainConfig for a 2-layer, 64-wide model on the prepared test corpus, one thread."""
-    from difftransformer.train import TrainConfig
+    from difftransformer.training.loop import TrainConfig
 
     base = dict(
         data=str(prepared),

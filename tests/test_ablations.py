@@ -7,9 +7,9 @@ import pytest
 import torch
 from conftest import small_config
 
-from difftransformer.config import ModelConfig
+from difftransformer.core.config import ModelConfig
+from difftransformer.core.model import TransformerLM
 from difftransformer.errors import ConfigError, InputError
-from difftransformer.model import TransformerLM
 
 BASE = dict(vocab_size=97, d_model=64, n_layers=3, n_heads=8, max_seq_len=32)
 
@@ -112,7 +112,7 @@ def test_all_heads_allows_an_odd_number_of_standard_heads():
 
 
 def test_ablations_do_not_export_to_hugging_face():
-    from difftransformer.hf import to_hf
+    from difftransformer.interop.hf import to_hf
 
     with pytest.raises(InputError, match="ablation option"):
         to_hf(build(head_norm=False))
@@ -127,8 +127,8 @@ def test_ablations_do_not_export_to_hugging_face():
     ],
 )
 def test_options_are_saved_and_reloaded_with_the_run(tmp_path, prepared, attention, options):
-    from difftransformer.train import Trainer
-    from difftransformer.train_config import resume_config
+    from difftransformer.training.config import resume_config
+    from difftransformer.training.loop import Trainer
 
     run = tmp_path / "run"
     cfg = small_config(prepared, run, attention=attention, max_steps=4, ckpt_interval=2, model={**_small(), **options})

@@ -5,7 +5,7 @@ import torch
 from reference import diff_attn_v2, standard_attn
 
 from difftransformer import ModelConfig, MultiheadAttention, MultiheadDiffAttnV2, TransformerLM
-from difftransformer.attention import ATTENTION
+from difftransformer.core.attention import ATTENTION
 
 
 def params(module):

@@ -2,7 +2,7 @@
 
 import json
 
-from difftransformer.cli import main
+from difftransformer.apps.cli import main
 
 
 def test_bench_attention_smoke(tmp_path, capsys):
@@ -70,7 +70,7 @@ def test_bench_decode_smoke(tmp_path, capsys):
 def test_saved_activation_bytes_counts_what_backward_keeps():
     import torch
 
-    from difftransformer.bench import saved_activation_bytes
+    from difftransformer.apps.bench import saved_activation_bytes
 
     w = torch.nn.Parameter(torch.randn(8, 8))
     x = torch.randn(4, 8)

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import torch
 
-from difftransformer.cli import main
-from difftransformer.demo import run_demo
+from difftransformer.apps.cli import main
+from difftransformer.apps.demo import run_demo
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -16,12 +16,12 @@ import pytest
 import transformers
 from conftest import SMALL, small_config, snapshot, write_corpus
 
-from difftransformer.cli import main
-from difftransformer.corpus import find_files, iter_documents
-from difftransformer.data import prepare, verify_data
-from difftransformer.ptq import quantize_run
-from difftransformer.tokenizer import train_bpe
-from difftransformer.train import train
+from difftransformer.apps.cli import main
+from difftransformer.inference.quantize import quantize_run
+from difftransformer.training.corpus import find_files, iter_documents
+from difftransformer.training.data import prepare, verify_data
+from difftransformer.training.loop import train
+from difftransformer.training.tokenizer import train_bpe
 
 REPORT: list[tuple[str, int, str]] = []
 
@@ -32,7 +32,7 @@ def world(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("world")
     corpus = write_corpus(root / "corpus")
     docs = lambda: iter_documents(find_files([corpus]))  # noqa: E731
-    from difftransformer.tokenizer import ByteTokenizer
+    from difftransformer.training.tokenizer import ByteTokenizer
 
     prepare(docs(), ByteTokenizer(), root / "data", val_every=10)
     prepare(docs(), train_bpe(docs(), 300, root / "tok"), root / "data-bpe", val_every=10)
@@ -251,7 +251,7 @@ def test_write_report():
 def test_a_defect_keeps_its_traceback(monkeypatch):
     """Only user errors become one line: an exception from inside the code (here a plain ValueError) propagates,
     so `difftx` shows its traceback and exits 1."""
-    import difftransformer.cli as cli
+    import difftransformer.apps.cli as cli
 
     def broken(_args):
         raise ValueError("an internal invariant broke")

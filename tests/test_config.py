@@ -5,7 +5,7 @@ import json
 import pytest
 
 from difftransformer import ModelConfig, count_parameters
-from difftransformer.config import PRESETS
+from difftransformer.core.config import PRESETS
 
 
 def expected_count(cfg: ModelConfig, attention: str) -> int:

@@ -6,8 +6,8 @@ import transformers
 from conftest import SMALL, small_config
 
 from difftransformer import generate, load_run
-from difftransformer.cli import main
-from difftransformer.train import train
+from difftransformer.apps.cli import main
+from difftransformer.training.loop import train
 
 
 def small_run(prepared, out, attention):
@@ -67,7 +67,7 @@ def test_convert_errors_write_nothing(prepared, tmp_path, capsys):
 
 
 def test_diff_from_llama_head_mapping():
-    from difftransformer.hf import diff_from_standard, from_hf
+    from difftransformer.interop.hf import diff_from_standard, from_hf
 
     cfg = transformers.LlamaConfig(
         vocab_size=64,
@@ -101,7 +101,7 @@ def test_llama_converted_to_diff_starts_close_and_trains(prepared, tmp_path):
     from it (--init-from) lowers it."""
     import torch.nn.functional as F
 
-    from difftransformer.data import TokenData, eval_windows
+    from difftransformer.training.data import TokenData, eval_windows
 
     cfg = small_config(
         prepared,
@@ -154,7 +154,7 @@ def test_exports_of_earlier_versions_import_with_the_right_end_token(prepared, t
     generation config, and bos 1 in the model config: those ordinary byte tokens are not taken for special ones."""
     import json
 
-    from difftransformer.tokenizer import ByteTokenizer
+    from difftransformer.training.tokenizer import ByteTokenizer
 
     run = small_run(prepared, tmp_path / "run", "diff")
     assert main(["convert", "--run", str(run), "--out", str(tmp_path / "hf")]) == 0

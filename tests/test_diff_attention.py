@@ -9,7 +9,7 @@ from conftest import randomize_diff_params
 from reference import diff_attn_v1
 
 from difftransformer import MultiheadDiffAttn
-from difftransformer.attention import kernels
+from difftransformer.core.attention import kernels
 
 IMPLS = ("sdpa", "block", "plain")
 
@@ -257,7 +257,7 @@ def test_fast_paths_hold_no_full_attention_map(impl):
 def test_grouped_query_weights_of_unknown_origin_warn():
     """Reference-layout GQA weights load either way, but only the FlashAttention pairing computes our function:
     loading GQA weights that this library did not write warns; MHA weights and our own state dicts do not."""
-    from difftransformer.attention import GQALayoutWarning, own_layout
+    from difftransformer.core.attention import GQALayoutWarning, own_layout
 
     gqa = make_attn(num_kv_heads=2)
     plain = {k: v.clone() for k, v in gqa.state_dict().items()}  # a dict without torch's metadata, like a file's

@@ -5,9 +5,9 @@ import json
 from conftest import SMALL, small_config
 
 from difftransformer import load_run
-from difftransformer.cli import main
-from difftransformer.evaluate import bits_per_byte, read_texts
-from difftransformer.train import train
+from difftransformer.apps.cli import main
+from difftransformer.inference.evaluate import bits_per_byte, read_texts
+from difftransformer.training.loop import train
 
 
 def test_lm_eval_perplexity_matches_our_bits_per_byte(prepared, tmp_path, capsys):

@@ -5,9 +5,9 @@ import torch
 from conftest import SMALL, small_config
 
 from difftransformer import ModelConfig, TransformerLM
-from difftransformer.cache import KVCache
-from difftransformer.generate import generate, sample_next
-from difftransformer.tokenizer import ByteTokenizer
+from difftransformer.inference.cache import KVCache
+from difftransformer.inference.generate import generate, sample_next
+from difftransformer.training.tokenizer import ByteTokenizer
 
 
 def tiny(attention="diff", **kw):
@@ -100,8 +100,8 @@ def test_prompt_longer_than_context():
 
 def test_load_run_and_generate_command(prepared, tmp_path, capsys):
     from difftransformer import load_run
-    from difftransformer.cli import main
-    from difftransformer.train import train
+    from difftransformer.apps.cli import main
+    from difftransformer.training.loop import train
 
     small = {**SMALL, "tie_embeddings": True}
     cfg = small_config(prepared, tmp_path / "run", model=small, max_steps=3, eval_interval=3, ckpt_interval=3)
@@ -132,8 +132,8 @@ def test_load_run_errors(prepared, tmp_path):
     import shutil
 
     from difftransformer import load_run
-    from difftransformer.checkpoint import list_checkpoints
-    from difftransformer.train import train
+    from difftransformer.training.checkpoint import list_checkpoints
+    from difftransformer.training.loop import train
 
     with pytest.raises(FileNotFoundError, match="does not exist"):
         load_run(tmp_path / "nope")
@@ -165,7 +165,7 @@ def test_load_run_errors(prepared, tmp_path):
 @pytest.mark.parametrize("causal", [True, False])
 def test_decode_rows_path_equals_plain(causal):
     """The no-gradient path for a few query rows (decoding) against the plain path, with a padding mask and GQA."""
-    from difftransformer.attention import kernels
+    from difftransformer.core.attention import kernels
 
     b, h, hkv, tq, tk, d = 2, 4, 2, 3, 20, 8
     q, k = torch.randn(b, h, 2, tq, d), torch.randn(b, hkv, 2, tk, d)

@@ -10,7 +10,7 @@ import transformers
 from conftest import randomize_diff_params
 
 from difftransformer import ModelConfig, TransformerLM
-from difftransformer.hf import from_hf, to_hf
+from difftransformer.interop.hf import from_hf, to_hf
 
 TOL = 1e-4
 

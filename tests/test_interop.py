@@ -25,9 +25,9 @@ import torch
 import transformers
 
 from difftransformer import ModelConfig, TransformerLM, generate, load_run
-from difftransformer.cli import main
-from difftransformer.runs import save_run
-from difftransformer.tokenizer import ByteTokenizer
+from difftransformer.apps.cli import main
+from difftransformer.training.runs import save_run
+from difftransformer.training.tokenizer import ByteTokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 CHECK = ROOT / "tests" / "interop" / "check.py"

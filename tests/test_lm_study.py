@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from difftransformer.data import TokenData, is_val_document, prepare
+from difftransformer.apps.repro import lm, lm_measure, lm_report
+from difftransformer.apps.repro.scaling import PowerLaw, fit_power_law, fraction_needed, t_interval
 from difftransformer.errors import ConfigError, InputError
-from difftransformer.repro import lm, lm_measure, lm_report
-from difftransformer.repro.scaling import PowerLaw, fit_power_law, fraction_needed, t_interval
-from difftransformer.tokenizer import ByteTokenizer
+from difftransformer.training.data import TokenData, is_val_document, prepare
+from difftransformer.training.tokenizer import ByteTokenizer
 
 # recall hits ------------------------------------------------------------------------------------------------------
 
@@ -197,7 +197,7 @@ def test_the_gpu_plan_reaches_100m_parameters():
 
 
 def _config(scale, size):
-    from difftransformer.config import ModelConfig
+    from difftransformer.core.config import ModelConfig
 
     run = lm.Run(size, 1, "standard", 1e-3, 0)
     return ModelConfig.preset("tiny", vocab_size=scale.vocab_size, **run.model_overrides(scale))
@@ -276,7 +276,7 @@ def test_a_toy_study_runs_resumes_and_reports(toy_study):
     assert len(result["paired"]["differences"]) == 2
     assert {row["variant"] for row in result["ablations"]} == {"diff", "standard", *lm.ABLATIONS}
 
-    from difftransformer.demo import study_context  # what `make demo` prints beside its own numbers
+    from difftransformer.apps.demo import study_context  # what `make demo` prints beside its own numbers
 
     context = "\n".join(study_context(toy_study / "results.json"))
     assert f"DIFF - standard {result['paired']['interval'][0]:+.4f} nats" in context
@@ -286,7 +286,7 @@ def test_a_toy_study_runs_resumes_and_reports(toy_study):
     # interrupted: one run lost its measurement, another stopped at its first checkpoint (step 2 of 4)
     import shutil
 
-    from difftransformer.train import Trainer
+    from difftransformer.training.loop import Trainer
 
     victim = lm.Run("B", 4, "diff", best["diff"], 1)
     (toy_study / "measures" / f"{victim.name}.json").unlink()
@@ -363,7 +363,7 @@ def test_the_report_of_a_partial_study(toy_study):
 
 def test_a_diverged_run_is_recorded_and_never_picked(toy_study, monkeypatch):
     from difftransformer.errors import TrainingDiverged
-    from difftransformer.train import Trainer
+    from difftransformer.training.loop import Trainer
 
     fit = Trainer.fit
 
@@ -384,10 +384,10 @@ STUDY_SCRIPT = """
 import dataclasses, sys
 sys.path.insert(0, {tests!r})
 from test_lm_study import TOY
-from difftransformer.data import prepare
+from difftransformer.training.data import prepare
 from difftransformer.errors import Interrupted
-from difftransformer.repro import lm
-from difftransformer.tokenizer import ByteTokenizer
+from difftransformer.apps.repro import lm
+from difftransformer.training.tokenizer import ByteTokenizer
 
 from pathlib import Path
 
@@ -434,7 +434,7 @@ def test_ctrl_c_stops_a_parallel_study_at_checkpoints(tmp_path):
 
 
 def test_quant_study_on_the_pairs_of_a_toy_study(toy_study, tmp_path, monkeypatch):
-    from difftransformer.repro import quant
+    from difftransformer.apps.repro import quant
 
     lm.run(toy_study, "toy", parts=("sweep", "grid"), seeds=[0, 1], workers=1)
     monkeypatch.setitem(quant.SCALES, "cpu", dict(loss_windows=2, outlier_windows=1))
@@ -470,7 +470,7 @@ def test_quant_study_on_the_pairs_of_a_toy_study(toy_study, tmp_path, monkeypatc
 
 
 def test_quant_study_needs_a_finished_pair(toy_study, tmp_path):
-    from difftransformer.repro import quant
+    from difftransformer.apps.repro import quant
 
     with pytest.raises(InputError, match="the learning-rate sweep is not complete"):
         quant.run(tmp_path / "q", "cpu", [0], 1, models=toy_study)

@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from difftransformer.attention.logits import LogitQuantizer, logit_probe, quantize_absmax
-from difftransformer.config import ModelConfig
+from difftransformer.core.attention.logits import LogitQuantizer, logit_probe, quantize_absmax
+from difftransformer.core.config import ModelConfig
+from difftransformer.core.model import TransformerLM
 from difftransformer.errors import InputError
-from difftransformer.model import TransformerLM
 
 KINDS = ["diff", "diff_v2", "standard"]
 
@@ -104,7 +104,7 @@ def test_the_probe_overrides_the_fast_paths(impl):
 
 
 def test_a_cached_decode_passes_through_the_probe():
-    from difftransformer.generate import generate
+    from difftransformer.inference.generate import generate
 
     model = _model("diff")
     calls = []
@@ -114,7 +114,7 @@ def test_a_cached_decode_passes_through_the_probe():
 
 
 def test_probes_nest_and_end_with_their_context():
-    from difftransformer.attention.logits import active_probe
+    from difftransformer.core.attention.logits import active_probe
 
     outer, inner = LogitQuantizer(8), LogitQuantizer(4)
     with logit_probe(outer):

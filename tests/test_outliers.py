@@ -6,9 +6,10 @@ import math
 import pytest
 import torch
 
-from difftransformer.config import ModelConfig
-from difftransformer.model import TransformerLM
-from difftransformer.outliers import MagnitudeStats, measure
+from difftransformer.apps.outliers import measure
+from difftransformer.core.config import ModelConfig
+from difftransformer.core.model import TransformerLM
+from difftransformer.inference.magnitudes import MagnitudeStats
 
 
 def test_statistics_of_a_hand_made_tensor():
@@ -104,8 +105,8 @@ def test_measuring_leaves_the_model_and_its_outputs_as_they_were():
 def test_analyze_outliers_command_writes_the_report(tmp_path, prepared, capsys):
     from conftest import small_config
 
-    from difftransformer.cli import main
-    from difftransformer.train import train
+    from difftransformer.apps.cli import main
+    from difftransformer.training.loop import train
 
     for kind in ("diff", "standard"):
         train(small_config(prepared, tmp_path / kind, attention=kind, max_steps=2, ckpt_interval=2), quiet=True)

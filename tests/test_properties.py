@@ -16,14 +16,14 @@ from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
 from difftransformer import ModelConfig
-from difftransformer.checkpoint import load_checkpoint, save_checkpoint
-from difftransformer.corpus import iter_documents
-from difftransformer.data import read_manifest
+from difftransformer.core.model import count_parameters
 from difftransformer.errors import ConfigError, InputError
-from difftransformer.generate import SamplingConfig
-from difftransformer.model import count_parameters
-from difftransformer.tokenizer import ByteTokenizer, HFTokenizer, train_bpe
-from difftransformer.train import TrainConfig
+from difftransformer.inference.generate import SamplingConfig
+from difftransformer.training.checkpoint import load_checkpoint, save_checkpoint
+from difftransformer.training.corpus import iter_documents
+from difftransformer.training.data import read_manifest
+from difftransformer.training.loop import TrainConfig
+from difftransformer.training.tokenizer import ByteTokenizer, HFTokenizer, train_bpe
 
 SETTINGS = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 

@@ -7,9 +7,8 @@ import torch
 from conftest import SMALL, small_config
 from torch import nn
 
-from difftransformer.cli import main
-from difftransformer.errors import InputError
-from difftransformer.quantize import (
+from difftransformer.apps.cli import main
+from difftransformer.core.quantized import (
     QuantizedLinear,
     dequantize_weight,
     fake_quantize,
@@ -17,6 +16,7 @@ from difftransformer.quantize import (
     quantize_weight,
     unpack_int4,
 )
+from difftransformer.errors import InputError
 
 
 def test_int8_per_channel_on_known_values():
@@ -72,7 +72,7 @@ def test_quantized_linear_is_the_linear_of_its_dequantized_weight(bits, act):
 
 @pytest.fixture
 def trained(prepared, tmp_path):
-    from difftransformer.train import train
+    from difftransformer.training.loop import train
 
     run = tmp_path / "run"
     train(small_config(prepared, run, model={**SMALL, "n_layers": 2}, max_steps=6, ckpt_interval=6), quiet=True)
@@ -82,8 +82,8 @@ def trained(prepared, tmp_path):
 @pytest.mark.parametrize("scheme", ["w8a16", "w4a16", "w8a8"])
 def test_a_quantized_run_reloads_bit_exactly_and_generates(trained, tmp_path, scheme, capsys):
     from difftransformer import load_run
-    from difftransformer.checkpoint import list_checkpoints, load_model_tensors
-    from difftransformer.ptq import quantize_run
+    from difftransformer.inference.quantize import quantize_run
+    from difftransformer.training.checkpoint import list_checkpoints, load_model_tensors
 
     out = tmp_path / scheme
     spec = quantize_run(trained, scheme, out, calib_samples=8)
@@ -109,8 +109,8 @@ def test_a_quantized_run_reloads_bit_exactly_and_generates(trained, tmp_path, sc
 
 
 def test_calibration_reads_only_training_windows(trained, tmp_path, monkeypatch):
-    import difftransformer.ptq as ptq
-    import difftransformer.runs as runs
+    import difftransformer.inference.quantize as ptq
+    import difftransformer.training.runs as runs
 
     splits = []
     original = runs.eval_windows
@@ -125,8 +125,8 @@ def test_calibration_reads_only_training_windows(trained, tmp_path, monkeypatch)
 
 
 def test_percentile_calibration_clips_below_absmax(trained, tmp_path):
-    from difftransformer.checkpoint import list_checkpoints, load_model_tensors
-    from difftransformer.ptq import quantize_run
+    from difftransformer.inference.quantize import quantize_run
+    from difftransformer.training.checkpoint import list_checkpoints, load_model_tensors
 
     quantize_run(trained, "w8a8", tmp_path / "abs", calib_samples=8, calibrator="absmax")
     quantize_run(trained, "w8a8", tmp_path / "pct", calib_samples=8, calibrator="percentile")
@@ -138,7 +138,7 @@ def test_percentile_calibration_clips_below_absmax(trained, tmp_path):
 
 
 def test_eval_runs_a_quantized_run(trained, tmp_path, capsys):
-    from difftransformer.ptq import quantize_run
+    from difftransformer.inference.quantize import quantize_run
 
     quantize_run(trained, "w8a16", tmp_path / "q")
     jsonl = tmp_path / "t.jsonl"

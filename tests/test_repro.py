@@ -8,13 +8,12 @@ import pytest
 import torch
 
 from difftransformer import TransformerLM
-from difftransformer.analysis import allocation, attention_maps
-from difftransformer.cli import main
-from difftransformer.config import ModelConfig
-from difftransformer.repro import allocation as allocation_exp
-from difftransformer.repro import icl, needle, suite
-from difftransformer.repro.fit import FitSpec, save_models
-from difftransformer.repro.tasks import (
+from difftransformer.apps.analysis import allocation, attention_maps
+from difftransformer.apps.cli import main
+from difftransformer.apps.repro import allocation as allocation_exp
+from difftransformer.apps.repro import icl, needle, suite
+from difftransformer.apps.repro.fit import FitSpec, save_models
+from difftransformer.apps.repro.tasks import (
     EXAMPLE_FEATURES,
     FEATURES_PER_CLASS,
     ICL_EXAMPLE,
@@ -26,6 +25,7 @@ from difftransformer.repro.tasks import (
     icl_episodes,
     needle_batch,
 )
+from difftransformer.core.config import ModelConfig
 
 
 def test_needle_batch_layout():
@@ -173,12 +173,12 @@ def tiny_scales(monkeypatch):
 def test_repro_all_writes_every_report(tmp_path, tiny_scales, capsys, monkeypatch, corpus_dir):
     from test_lm_study import TOY
 
-    from difftransformer.repro import lm
+    from difftransformer.apps.repro import lm
 
     monkeypatch.setitem(lm.SCALES, "cpu", replace(TOY, name="cpu", vocab_size=300))
     monkeypatch.setattr(lm, "DEFAULT_CORPORA", (str(corpus_dir),))
     monkeypatch.setattr(lm.corpus, "pydocs_documents", lambda: iter(["The built-in corpus, in short. " * 20] * 5))
-    from difftransformer.repro import quant
+    from difftransformer.apps.repro import quant
 
     monkeypatch.setitem(quant.SCALES, "cpu", dict(loss_windows=1, outlier_windows=1))
     monkeypatch.setattr(quant, "CALIB_SAMPLES", 2)
@@ -242,9 +242,9 @@ def test_analyze_attention(tmp_path, capsys):
 
 
 def test_logit_bits_change_the_final_evaluation_only(tmp_path, tiny_scales, monkeypatch):
-    from difftransformer.attention.logits import active_probe
-    from difftransformer.repro import suite
-    from difftransformer.repro.fit import scaled_spec
+    from difftransformer.apps.repro import suite
+    from difftransformer.apps.repro.fit import scaled_spec
+    from difftransformer.core.attention.logits import active_probe
 
     suite.run("needle", tmp_path / "two", seeds=1, workers=1, logit_bits=2)
     seen = []  # the probe active in each final evaluation, the training and its learning curve run without one

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 from conftest import losses, small_config, snapshot
 
-from difftransformer.checkpoint import list_checkpoints, load_checkpoint
-from difftransformer.cli import main
-from difftransformer.data import verify_data
+from difftransformer.apps.cli import main
 from difftransformer.errors import InputError
-from difftransformer.train import Trainer, resume_config, train
+from difftransformer.training.checkpoint import list_checkpoints, load_checkpoint
+from difftransformer.training.data import verify_data
+from difftransformer.training.loop import Trainer, resume_config, train
 
 
 @pytest.fixture
@@ -170,9 +170,9 @@ def test_damaged_shard_is_caught_at_start(prepared, tmp_path, capsys):
 def test_data_prepared_again_in_place_is_noted(prepared, tmp_path, capsys):
     from conftest import write_corpus
 
-    from difftransformer.corpus import find_files, iter_documents
-    from difftransformer.data import prepare
-    from difftransformer.tokenizer import ByteTokenizer
+    from difftransformer.training.corpus import find_files, iter_documents
+    from difftransformer.training.data import prepare
+    from difftransformer.training.tokenizer import ByteTokenizer
 
     data = tmp_path / "data-here"
     shutil.copytree(prepared, data)

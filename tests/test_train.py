@@ -13,9 +13,9 @@ import pytest
 import torch
 from conftest import SMALL, difftx, losses, small_config, train_args
 
-from difftransformer import checkpoint
-from difftransformer.checkpoint import list_checkpoints, load_checkpoint
-from difftransformer.train import TrainConfig, Trainer, lr_at, resume_config, train
+from difftransformer.training import checkpoint
+from difftransformer.training.checkpoint import list_checkpoints, load_checkpoint
+from difftransformer.training.loop import TrainConfig, Trainer, lr_at, resume_config, train
 
 
 def cli(*args, env_extra=None):
@@ -132,9 +132,9 @@ def test_bad_inputs_are_refused_and_nothing_is_overwritten(prepared, tmp_path):
 
 
 def test_resume_refuses_other_data(prepared, tmp_path, corpus_dir):
-    from difftransformer.corpus import find_files, iter_documents
-    from difftransformer.data import prepare
-    from difftransformer.tokenizer import train_bpe
+    from difftransformer.training.corpus import find_files, iter_documents
+    from difftransformer.training.data import prepare
+    from difftransformer.training.tokenizer import train_bpe
 
     train(small_config(prepared, tmp_path / "run", max_steps=4), quiet=True)
     tok = train_bpe(iter_documents(find_files([corpus_dir])), 300, tmp_path / "tok")
@@ -188,10 +188,10 @@ def test_compile_smoke(prepared, tmp_path):
 
 
 def test_activation_checkpointing_same_losses_less_memory(prepared, tmp_path):
-    from difftransformer.bench import _lm_loss, saved_activation_bytes
-    from difftransformer.config import ModelConfig
-    from difftransformer.distributed import World, parallelize
-    from difftransformer.model import TransformerLM
+    from difftransformer.apps.bench import _lm_loss, saved_activation_bytes
+    from difftransformer.core.config import ModelConfig
+    from difftransformer.core.model import TransformerLM
+    from difftransformer.training.distributed import World, parallelize
 
     plain = train(small_config(prepared, tmp_path / "plain", max_steps=3), quiet=True)
     ac = train(small_config(prepared, tmp_path / "ac", max_steps=3, checkpoint_activations=True), quiet=True)

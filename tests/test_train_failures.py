@@ -16,10 +16,10 @@ import pytest
 import torch
 from conftest import difftx, losses, metric_rows, small_config, train_args
 
-from difftransformer.checkpoint import list_checkpoints, load_checkpoint
-from difftransformer.cli import main
-from difftransformer.model import TransformerLM
-from difftransformer.train import Trainer, train
+from difftransformer.apps.cli import main
+from difftransformer.core.model import TransformerLM
+from difftransformer.training.checkpoint import list_checkpoints, load_checkpoint
+from difftransformer.training.loop import Trainer, train
 
 
 @pytest.mark.parametrize("where", ["loss", "gradient"])

@@ -16,8 +16,8 @@ from conftest import randomize_diff_params  # noqa: E402
 from reference import diff_attn_v1  # noqa: E402
 
 from difftransformer import MultiheadDiffAttn, TransformerLM  # noqa: E402
-from difftransformer.attention import kernels, triton_diff  # noqa: E402
-from difftransformer.config import ModelConfig  # noqa: E402
+from difftransformer.core.attention import kernels, triton_diff  # noqa: E402
+from difftransformer.core.config import ModelConfig  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -24,7 +24,7 @@ PROMPT = "the attention noise cancels"
 
 
 def export(runs_json: str) -> None:
-    from difftransformer.convert import run_to_hf
+    from difftransformer.interop.convert import run_to_hf
 
     for item in json.loads(Path(runs_json).read_text()):
         run_to_hf(item["run"], item["out"])

@@ -1,0 +1,108 @@
+"""`difftx analyze attention`: a trained model's attention maps on a prompt, per head of one layer.
+
+For a DIFF layer each head gets three panels: softmax map 1, softmax map 2, and the differential map
+``map1 - lambda map2`` that mixes the values (signed, on a diverging scale); a standard layer shows each head's softmax
+map. Inputs are a run directory (``difftx train``; the prompt is UTF-8 text for its tokenizer) or a model file of
+``difftx repro`` (``models/*.pt``; the prompt is whitespace-separated token ids).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from difftransformer.apps.analysis import attention_maps
+from difftransformer.errors import InputError
+
+MAX_LABELLED = 48  # positions up to which the axes are labelled with the tokens
+
+
+def read_prompt(path: str | Path) -> str:
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"prompt file {path} does not exist")
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise InputError(f"prompt file {path} is not valid UTF-8 (byte {err.start}): save it as UTF-8") from None
+    if not text.strip():
+        raise InputError(f"prompt file {path} is empty")
+    return text
+
+
+def load_prompt(run: str | Path, prompt_file: str | Path) -> tuple[torch.nn.Module, torch.Tensor, list[str]]:
+    """(model, tokens (1, T), token labels) for a run directory or a repro model file."""
+    run = Path(run)
+    text = read_prompt(prompt_file)
+    if run.suffix == ".pt":
+        from difftransformer.apps.repro.fit import load_model
+
+        model = load_model(run)
+        try:
+            ids = [int(t) for t in text.split()]
+        except ValueError:
+            raise InputError(f"{prompt_file}: a repro model's prompt is whitespace-separated token ids") from None
+        labels = [str(i) for i in ids]
+    else:
+        from difftransformer.training.runs import load_run
+
+        model, tokenizer = load_run(run)
+        ids = tokenizer.encode(text)
+        labels = [tokenizer.decode([i]) for i in ids]
+    if len(ids) > model.config.max_seq_len:
+        raise InputError(
+            f"the prompt is {len(ids)} tokens, longer than the model's context of {model.config.max_seq_len}: "
+            "shorten it"
+        )
+    return model, torch.tensor([ids]), labels
+
+
+def analyze_attention(run: str | Path, prompt_file: str | Path, out: str | Path, layer: int = -1) -> Path:
+    out = Path(out)
+    if out.exists():
+        raise FileExistsError(f"{out} already exists; choose another --out or remove it")
+    if out.suffix.lower() != ".png":
+        raise InputError(f"--out must name a .png file, got {out}")
+    model, tokens, labels = load_prompt(run, prompt_file)
+    n_layers = len(model.layers)
+    if not -n_layers <= layer < n_layers:
+        raise InputError(f"--layer {layer} is out of range: the model has {n_layers} layers")
+    maps = attention_maps(model, tokens, both=True)[layer]
+    figure = _figure(maps, labels, layer % n_layers, model.config.attention)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}.png")
+    try:
+        figure.savefig(tmp, dpi=100)
+        tmp.rename(out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return out
+
+
+def _figure(maps, labels: list[str], layer: int, attention: str):
+    from difftransformer.apps.repro.report import pyplot
+
+    plt = pyplot()
+    heads = maps.mixed.shape[1]
+    panels = [("map 1", 0), ("map 2", 1), (f"map 1 - {maps.lam:.2f} map 2", None)] if maps.softmax is not None else []
+    cols = len(panels) or 1
+    fig, axes = plt.subplots(heads, cols, figsize=(3.2 * cols, 3.0 * heads), squeeze=False)
+    for h in range(heads):
+        for c in range(cols):
+            ax = axes[h][c]
+            if panels and panels[c][1] is not None:
+                image = maps.softmax[0, h, panels[c][1]].numpy()
+                ax.imshow(image, cmap="viridis", vmin=0, vmax=float(image.max()))
+            else:
+                image = maps.mixed[0, h].numpy()
+                limit = float(abs(image).max())
+                ax.imshow(image, cmap="RdBu_r" if panels else "viridis", vmin=-limit if panels else 0, vmax=limit)
+            title = panels[c][0] if panels else "softmax map"
+            ax.set_title(f"layer {layer} head {h}: {title}", fontsize=8)
+            if len(labels) <= MAX_LABELLED:
+                ax.set_xticks(range(len(labels)), [repr(t)[1:-1] for t in labels], rotation=90, fontsize=5)
+                ax.set_yticks(range(len(labels)), [repr(t)[1:-1] for t in labels], fontsize=5)
+    fig.suptitle(f"{attention} attention, layer {layer}: rows = queries, columns = keys", fontsize=10)
+    fig.tight_layout()
+    return fig

@@ -1,0 +1,479 @@
+"""Benchmarks that print ratios measured side by side in one run (medians over interleaved repeats after warm-up)."""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+
+import torch
+
+from difftransformer.core.attention import MultiheadAttention, MultiheadDiffAttn
+from difftransformer.core.attention.kernels import diff_attention, standard_attention
+from difftransformer.core.config import ModelConfig
+from difftransformer.core.model import TransformerLM
+from difftransformer.inference.cache import KVCache
+
+
+def machine() -> dict:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "cpu": cpu,
+        "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+    }
+
+
+def _result(benchmark: str, shapes: dict, repeats: int, rows: list[dict], device="cpu", dtype=torch.float32) -> dict:
+    """The record every benchmark returns (and --json writes): what ran, where, on which shapes."""
+    return {
+        "benchmark": benchmark,
+        "machine": machine(),
+        "device": str(device),
+        "dtype": str(dtype).removeprefix("torch."),
+        "shapes": shapes,
+        "repeats": repeats,
+        "rows": rows,
+    }
+
+
+def _title(result: dict) -> str:
+    m = result["machine"]
+    where = f"{m['cuda']} (host {m['cpu']})" if result.get("device", "cpu").startswith("cuda") else m["cpu"]
+    return f"{result['benchmark']} benchmark: {where}, torch {m['torch']}, {m['threads']} thread(s), {result['dtype']}"
+
+
+def triton_available() -> bool:
+    """Whether the optional Triton kernels can run here (a CUDA GPU and the triton package)."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def median_times(fns: dict[str, Callable[[], None]], repeats: int, warmup: int = 1) -> dict[str, float]:
+    """Median seconds of each function; repeats are interleaved so drifting machine load hits all alike."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            _sync()
+            start = time.perf_counter()
+            fn()
+            _sync()  # GPU work is asynchronous: time until it has finished
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+class _HFDiffLlamaAttention(torch.nn.Module):
+    """Hugging Face DiffLlama's attention layer with its rotary embedding, called like ours (causal, no mask)."""
+
+    def __init__(self, dim: int, heads: int, impl: str) -> None:
+        super().__init__()
+        from transformers import DiffLlamaConfig
+        from transformers.models.diffllama.modeling_diffllama import DiffLlamaAttention, DiffLlamaRotaryEmbedding
+
+        cfg = DiffLlamaConfig(
+            hidden_size=dim,
+            num_attention_heads=heads,
+            num_key_value_heads=heads,
+            intermediate_size=4 * dim,
+            num_hidden_layers=1,
+        )
+        cfg._attn_implementation = impl
+        self.attn, self.rotary = DiffLlamaAttention(cfg, layer_idx=0), DiffLlamaRotaryEmbedding(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(x.shape[1], device=x.device)[None]
+        return self.attn(x, position_embeddings=self.rotary(x, positions), attention_mask=None)[0]
+
+
+def diff_impls(device: str) -> tuple[str, ...]:
+    """Our DIFF methods worth timing on a device: the block method is the CPU one, Triton needs a GPU."""
+    if str(device).startswith("cuda"):
+        return ("sdpa", "plain", "triton") if triton_available() else ("sdpa", "plain")
+    return ("sdpa", "block", "plain")
+
+
+def bench_attention(
+    seqs: list[int],
+    dim: int = 512,
+    heads: int = 8,
+    batch: int = 1,
+    repeats: int = 5,
+    plain_max_seq: int = 4096,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> dict:
+    """One attention layer of width ``dim``: DIFF (heads/2 differential heads) by impl vs standard (heads heads)."""
+    torch.manual_seed(0)
+    layers = {impl: MultiheadDiffAttn(dim, heads // 2, 0, impl=impl) for impl in diff_impls(device)}
+    layers["standard"] = MultiheadAttention(dim, heads, 0)
+    try:
+        for impl in ("sdpa", "eager"):
+            layers[f"hf-{impl}"] = _HFDiffLlamaAttention(dim, heads, impl)
+    except ImportError:  # transformers is optional: the comparison is skipped and the table says so
+        pass
+    for layer in layers.values():
+        layer.to(device, dtype)
+    rows = []
+    for t in seqs:
+        x = torch.randn(batch, t, dim, device=device, dtype=dtype)
+        xg = x.clone().requires_grad_()
+        names = [n for n in layers if n not in ("plain", "hf-eager") or t <= plain_max_seq]
+        with torch.no_grad():
+            fwd = median_times({n: partial(layers[n], x) for n in names}, repeats)
+        fb = median_times({n: partial(_forward_backward, layers[n], xg) for n in names}, repeats)
+        for direction, res in (("forward", fwd), ("forward+backward", fb)):
+            rows.append({"seq": t, "direction": direction, "seconds": res})
+        core = _core_inputs(batch, heads, dim // heads, t, device, dtype)
+        impls = [i for i in diff_impls(device) if i != "plain" or t <= plain_max_seq]
+        fns = {"standard": partial(_core_standard, *core["standard"])}
+        fns |= {impl: partial(_core_diff, impl, *core["diff"]) for impl in impls}
+        rows.append({"seq": t, "direction": "core forward+backward", "seconds": median_times(fns, repeats)})
+    return _result(
+        "attention",
+        {
+            "batch": batch,
+            "dim": dim,
+            "standard_heads": heads,
+            "diff_heads": heads // 2,
+            "head_dim": dim // heads,
+        },
+        repeats,
+        rows,
+        device,
+        dtype,
+    )
+
+
+def _forward_backward(module: torch.nn.Module, x: torch.Tensor) -> None:
+    module(x).sum().backward()
+
+
+def _core_inputs(batch, heads, head_dim, t, device, dtype) -> dict:
+    """Inputs of the attention core alone (no projections, rotary or norm): the standard model's ``heads`` heads of
+    ``head_dim`` vs DIFF's heads/2 heads whose query/key halves are head_dim wide and values 2 head_dim (the matched
+    layout of PAPER.md section 1: the same projection widths)."""
+    d = head_dim
+
+    def rand(*shape):
+        return torch.randn(*shape, device=device, dtype=dtype, requires_grad=True)
+
+    return {
+        "standard": (rand(batch, heads, t, head_dim), rand(batch, heads, t, head_dim), rand(batch, heads, t, head_dim)),
+        "diff": (
+            rand(batch, heads // 2, 2, t, d),
+            rand(batch, heads // 2, 2, t, d),
+            rand(batch, heads // 2, t, 2 * d),
+            torch.tensor(0.5, device=device, requires_grad=True),
+        ),
+    }
+
+
+def _core_standard(q, k, v) -> None:
+    standard_attention(q, k, v, scale=q.shape[-1] ** -0.5)[0].sum().backward()
+
+
+def _core_diff(impl, q, k, v, lam) -> None:
+    diff_attention(q, k, v, lam, scale=q.shape[-1] ** -0.5, impl=impl).sum().backward()
+
+
+def format_attention(result: dict) -> str:
+    s = result["shapes"]
+    names = list(dict.fromkeys(n for row in result["rows"] for n in row["seconds"]))
+    others = [n for n in names if n != "standard"]
+    lines = [
+        _title(result),
+        f"batch {s['batch']}, width {s['dim']}: DIFF {s['diff_heads']} heads vs standard {s['standard_heads']} heads "
+        f"of size {s['head_dim']}; medians of {result['repeats']} interleaved repeats after warm-up. Columns: "
+        "standard = our baseline; sdpa, block, plain, triton = our DIFF methods; hf-* = transformers DiffLlama. "
+        "core = the attention core alone (no projections, rotary or norm)",
+        "",
+        "| T | direction | "
+        + " | ".join(f"{n} ms" for n in names)
+        + " | "
+        + " | ".join(f"{n}/std" for n in others)
+        + " |",
+        "|---|---|" + "---|" * (len(names) + len(others)),
+    ]
+    for row in result["rows"]:
+        sec = row["seconds"]
+        ms = [f"{sec[n] * 1e3:.1f}" if n in sec else "-" for n in names]
+        ratios = [f"{sec[n] / sec['standard']:.2f}" if n in sec else "-" for n in others]
+        lines.append(f"| {row['seq']} | {row['direction']} | " + " | ".join(ms + ratios) + " |")
+    return "\n".join(lines)
+
+
+def saved_activation_bytes(step: Callable[[], torch.Tensor]) -> int:
+    """Bytes of the distinct storages that autograd saves for backward while ``step()`` runs the forward pass:
+    the activation memory of training (parameters excluded: they are saved by reference, not copied)."""
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if not isinstance(t, torch.nn.Parameter):
+            storage = t.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = step()
+    loss.backward()
+    return sum(storages.values())
+
+
+def _lm_loss(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    out = model(x[:, :-1])
+    logits = out.logits if hasattr(out, "logits") else out  # a transformers model returns an output object
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten())
+
+
+def _train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor) -> None:
+    _lm_loss(model, x).backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def bench_train(
+    preset: str = "small",
+    seqs: list[int] | None = None,
+    batch: int = 4,
+    repeats: int = 3,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> dict:
+    """A training step (forward, backward, AdamW) and its activation memory: our DIFF, our standard, and Hugging Face
+    DiffLlama (its SDPA attention) built from our DIFF model's config and weights. With a GPU and Triton, also our
+    DIFF with the Triton kernel (``diff-triton``)."""
+    seqs = seqs or [256, 1024, 2048]
+    rows = []
+    for t in seqs:
+        models: dict[str, torch.nn.Module] = {}
+        for attention in ("diff", "standard"):
+            torch.manual_seed(0)
+            models[attention] = TransformerLM(ModelConfig.preset(preset, attention=attention, max_seq_len=t))
+        if "triton" in diff_impls(device):
+            models["diff-triton"] = TransformerLM(ModelConfig.preset(preset, max_seq_len=t, attn_impl="triton"))
+            models["diff-triton"].load_state_dict(models["diff"].state_dict())
+        try:
+            from difftransformer.interop.hf import to_hf
+
+            hf = to_hf(models["diff"]).train()
+            hf.config._attn_implementation = "sdpa"
+            models["hf-diffllama"] = hf
+        except ImportError:
+            pass
+        for m in models.values():
+            m.to(device, dtype)
+        x = torch.randint(0, models["diff"].config.vocab_size, (batch, t), device=device)
+        optimizers = {n: torch.optim.AdamW(m.parameters(), lr=1e-4, foreach=False) for n, m in models.items()}
+
+        seconds = median_times({n: partial(_train_step, m, optimizers[n], x) for n, m in models.items()}, repeats)
+        memory = {n: saved_activation_bytes(partial(_lm_loss, m, x)) for n, m in models.items()}
+        for m in models.values():
+            m.zero_grad(set_to_none=True)
+        rows.append({"seq": t, "seconds": seconds, "activation_bytes": memory})
+    cfg = ModelConfig.preset(preset)
+    return _result(
+        "train",
+        dict(
+            preset=preset,
+            batch=batch,
+            d_model=cfg.d_model,
+            n_layers=cfg.n_layers,
+            standard_heads=cfg.n_heads,
+            head_dim=cfg.head_dim,
+        ),
+        repeats,
+        rows,
+        device,
+        dtype,
+    )
+
+
+def format_train(result: dict) -> str:
+    s = result["shapes"]
+    lines = [
+        _title(result),
+        f"preset {s['preset']} (d_model {s['d_model']}, {s['n_layers']} layers, head size {s['head_dim']}), batch "
+        f"{s['batch']}; step = forward + backward + AdamW, median of {result['repeats']} interleaved repeats; "
+        "activations = bytes autograd saves for backward",
+        "",
+        "| T | standard ms | DIFF ms | HF DiffLlama ms | DIFF/standard | DIFF/HF | activations std MiB | DIFF MiB | "
+        "HF MiB | DIFF/HF memory | DIFF/std memory |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in result["rows"]:
+        sec, mem = row["seconds"], row["activation_bytes"]
+        hf_ms = f"{sec['hf-diffllama'] * 1e3:.0f}" if "hf-diffllama" in sec else "-"
+        hf_ratio = f"{sec['diff'] / sec['hf-diffllama']:.2f}" if "hf-diffllama" in sec else "-"
+        hf_mib = f"{mem['hf-diffllama'] / 2**20:.1f}" if "hf-diffllama" in mem else "-"
+        hf_mem = f"{mem['diff'] / mem['hf-diffllama']:.2f}" if "hf-diffllama" in mem else "-"
+        lines.append(
+            f"| {row['seq']} | {sec['standard'] * 1e3:.0f} | {sec['diff'] * 1e3:.0f} | {hf_ms} | "
+            f"{sec['diff'] / sec['standard']:.2f} | {hf_ratio} | {mem['standard'] / 2**20:.1f} | "
+            f"{mem['diff'] / 2**20:.1f} | {hf_mib} | {hf_mem} | {mem['diff'] / mem['standard']:.2f} |"
+        )
+    triton_rows = [row for row in result["rows"] if "diff-triton" in row["seconds"]]
+    if triton_rows:
+        lines += [
+            "",
+            "Our DIFF with the Triton kernel (attn_impl triton), same weights:",
+            "",
+            "| T | DIFF-triton ms | triton/standard | triton/DIFF auto | activations MiB | triton/std memory |",
+            "|---|---|---|---|---|---|",
+        ]
+        for row in triton_rows:
+            sec, mem = row["seconds"], row["activation_bytes"]
+            lines.append(
+                f"| {row['seq']} | {sec['diff-triton'] * 1e3:.0f} | {sec['diff-triton'] / sec['standard']:.2f} | "
+                f"{sec['diff-triton'] / sec['diff']:.2f} | {mem['diff-triton'] / 2**20:.1f} | "
+                f"{mem['diff-triton'] / mem['standard']:.2f} |"
+            )
+    return "\n".join(lines)
+
+
+def _decode_seconds(model: TransformerLM, context: int, tokens: int) -> list[float]:
+    """Seconds of each one-token decode step after a prefill of ``context`` random tokens (batch 1)."""
+    cache = KVCache(context + tokens + 1)
+    token = torch.randint(0, model.config.vocab_size, (1, 1))
+    with torch.no_grad():
+        model(torch.randint(0, model.config.vocab_size, (1, context)), cache=cache)
+        model(token, cache=cache)  # warm-up step
+        times = []
+        for _ in range(tokens):
+            start = time.perf_counter()
+            model(token, cache=cache)
+            times.append(time.perf_counter() - start)
+    return times
+
+
+def _decode_rows(models: dict[str, TransformerLM], contexts: list[int], tokens: int, repeats: int) -> list[dict]:
+    """Median decode tokens/s of each model at each context, the models interleaved so that load hits them alike."""
+    rows = []
+    for context in contexts:
+        samples: dict[str, list[float]] = {name: [] for name in models}
+        for _ in range(repeats):
+            for name, model in models.items():
+                samples[name] += _decode_seconds(model, context, tokens)
+        rows.append({"context": context, "tokens_per_s": {n: 1 / statistics.median(t) for n, t in samples.items()}})
+    return rows
+
+
+def bench_decode(contexts: list[int], preset: str = "small", tokens: int = 32, repeats: int = 3) -> dict:
+    """Decode tokens/s with a KV cache, DIFF vs standard built from the same preset (batch 1)."""
+    models = {}
+    for attention in ("diff", "standard"):
+        torch.manual_seed(0)
+        cfg = ModelConfig.preset(preset, attention=attention, max_seq_len=max(contexts) + tokens + 1)
+        models[attention] = TransformerLM(cfg).eval()
+    rows = _decode_rows(models, contexts, tokens, repeats)
+    cfg = models["diff"].config
+    return _result(
+        "decode",
+        dict(
+            preset=preset,
+            batch=1,
+            d_model=cfg.d_model,
+            n_layers=cfg.n_layers,
+            standard_heads=cfg.n_heads,
+            diff_heads=cfg.n_heads // 2,
+            head_dim=cfg.head_dim,
+            new_tokens=tokens,
+        ),
+        repeats,
+        rows,
+    )
+
+
+def format_decode(result: dict) -> str:
+    s = result["shapes"]
+    lines = [
+        _title(result),
+        f"preset {s['preset']} (d_model {s['d_model']}, {s['n_layers']} layers, DIFF {s['diff_heads']} heads vs "
+        f"standard {s['standard_heads']} of size {s['head_dim']}), batch 1, median over "
+        f"{result['repeats']} x {s['new_tokens']} one-token steps after a prefill",
+        "",
+        "| context | standard tokens/s | DIFF tokens/s | DIFF / standard |",
+        "|---|---|---|---|",
+    ]
+    for row in result["rows"]:
+        t = row["tokens_per_s"]
+        lines.append(f"| {row['context']} | {t['standard']:.1f} | {t['diff']:.1f} | {t['diff'] / t['standard']:.2f} |")
+    return "\n".join(lines)
+
+
+def bench_quantized(run: str | Path, contexts: list[int], tokens: int = 32, repeats: int = 3) -> dict:
+    """Size on disk and decode tokens/s of a quantized run against its float source run (batch 1, CPU)."""
+    from difftransformer.errors import InputError
+    from difftransformer.training.checkpoint import list_checkpoints
+    from difftransformer.training.runs import load_run, read_quantization
+
+    run = Path(run)
+    spec = read_quantization(run) if run.is_dir() else None
+    if spec is None:
+        raise InputError(f"{run} is not a quantized run (no quantization.json): make one with difftx quantize")
+    source = Path(spec["source"])
+    if not source.is_dir():
+        raise FileNotFoundError(f"the float source {source} of {run} does not exist (moved or removed)")
+    paths = {"float": source, spec["scheme"]: run}
+    models = {name: load_run(path)[0] for name, path in paths.items()}
+    longest = max(contexts) + tokens + 1
+    if longest > models["float"].config.max_seq_len:
+        raise InputError(
+            f"a context of {max(contexts)} plus {tokens} new tokens exceeds the model context of {longest - 1}"
+        )
+    sizes = {name: (list_checkpoints(path)[-1] / "model.safetensors").stat().st_size for name, path in paths.items()}
+    rows = _decode_rows(models, contexts, tokens, repeats)
+    cfg = models["float"].config
+    shapes = dict(run=str(run), source=str(source), scheme=spec["scheme"], attention=cfg.attention, batch=1,
+                  d_model=cfg.d_model, n_layers=cfg.n_layers, new_tokens=tokens, bytes=sizes)  # fmt: skip
+    return _result("quantized", shapes, repeats, rows)
+
+
+def format_quantized(result: dict) -> str:
+    s = result["shapes"]
+    scheme = s["scheme"]
+    lines = [
+        _title(result),
+        f"{s['run']} ({scheme}, {s['attention']}, d_model {s['d_model']}, {s['n_layers']} layers) against its float "
+        f"source, batch 1, median over {result['repeats']} x {s['new_tokens']} one-token steps after a prefill; "
+        "the quantized weights are dequantized at load (CPU), so speed is not expected to gain",
+        "",
+        f"model.safetensors: float {s['bytes']['float'] / 1e6:.2f} MB, {scheme} {s['bytes'][scheme] / 1e6:.2f} MB "
+        f"({s['bytes'][scheme] / s['bytes']['float']:.2f}x)",
+        "",
+        f"| context | float tokens/s | {scheme} tokens/s | {scheme} / float |",
+        "|---|---|---|---|",
+    ]
+    for row in result["rows"]:
+        t = row["tokens_per_s"]
+        lines.append(f"| {row['context']} | {t['float']:.1f} | {t[scheme]:.1f} | {t[scheme] / t['float']:.2f} |")
+    return "\n".join(lines)
+
+
+def write_json(result: dict, path: str | Path) -> None:
+    Path(path).write_text(json.dumps(result, indent=2) + "\n")

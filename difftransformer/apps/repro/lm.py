@@ -1,0 +1,484 @@
+"""`difftx repro lm`: the paper's language-modeling claims, measured with the project's own training loop.
+
+A study directory holds the prepared corpus (``data/``, a BPE tokenizer trained on the training documents only,
+documents split whole between train and validation), one ordinary run directory per trained model (``runs/``,
+resumable with ``difftx train --resume``), one measurement file per finished run (``measures/``) and the report
+(``results.json``, ``section.md``, figures). Running the same command again continues an interrupted study: a
+finished and measured run is skipped, an unfinished one resumes from its newest checkpoint.
+
+Three parts, each with its own budget (see ``Scale``):
+
+- ``sweep``: at the reference size and the long budget, both architectures at every learning rate of the scale;
+  each architecture then trains at its own best learning rate (DIFF V2 and the DIFF ablations at DIFF's, the
+  standard ablation at the standard model's).
+- ``grid``: every size at both token budgets, DIFF and standard, seed 0; the reference size at the long budget
+  with more seeds; DIFF V2 at the reference size. Fits loss against non-embedding parameters and against tokens.
+- ``ablations``: the paper's Table 6 at the reference size and the short budget, every seed: no per-head norm,
+  constant lambda_init 0.8 and 0.5, the standard model with the per-head norm, DIFF with as many differential heads
+  as the standard model has heads, and both baselines.
+
+Matched pairs share the model config (but the attention), the initialisation seed, the data order (the window
+sampler's seed) and the optimiser.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from multiprocessing import get_context
+from multiprocessing.connection import wait
+from pathlib import Path
+
+import torch
+
+from difftransformer.apps.repro import lm_measure
+from difftransformer.core.model import count_parameters
+from difftransformer.errors import InputError, Interrupted, TrainingDiverged
+from difftransformer.fsutil import open_plan, read_json_object, write_text_atomic
+from difftransformer.training import corpus
+from difftransformer.training.config import TrainConfig, device_problem, resume_config
+from difftransformer.training.data import TokenData, eval_windows, is_val_document, prepare, read_manifest
+from difftransformer.training.interrupts import StopSignals
+from difftransformer.training.loop import Trainer, layer_lambdas
+from difftransformer.training.runs import TRAIN_CONFIG
+
+PARTS = ("sweep", "grid", "ablations")
+STUDY = "study.json"
+TIMINGS = "timings.json"
+DEFAULT_CORPORA = ("data/shakespeare", "data/sotu")
+FETCH = {
+    "shakespeare": "difftx data fetch shakespeare --out data/shakespeare",
+    "sotu": "difftx data fetch sotu --out data/sotu",
+}
+
+# name: (attention, ModelConfig options, the architecture whose best learning rate it trains at)
+VARIANTS: dict[str, tuple[str, dict, str]] = {
+    "diff": ("diff", {}, "diff"),
+    "standard": ("standard", {}, "standard"),
+    "diff_v2": ("diff_v2", {}, "diff"),
+    "diff-no-head-norm": ("diff", {"head_norm": False}, "diff"),
+    "diff-lambda-0.8": ("diff", {"lambda_init": 0.8}, "diff"),
+    "diff-lambda-0.5": ("diff", {"lambda_init": 0.5}, "diff"),
+    "standard-head-norm": ("standard", {"head_norm": True}, "standard"),
+    "diff-all-heads": ("diff", {"diff_heads": "all"}, "diff"),
+}
+ABLATIONS = ("diff-no-head-norm", "diff-lambda-0.8", "diff-lambda-0.5", "standard-head-norm", "diff-all-heads")
+
+
+@dataclass(frozen=True)
+class Scale:
+    """One study's sizes and budgets. Sizes are (d_model, n_layers, n_heads of the standard model)."""
+
+    name: str
+    sizes: dict[str, tuple[int, int, int]]
+    reference: str  # the size with seeds, the learning-rate sweep and the ablations
+    seq_len: int
+    batch_size: int
+    steps: tuple[int, int]  # the long and the short token budget, in optimizer steps
+    lrs: tuple[float, ...]
+    vocab_size: int
+    eval_tokens: int
+    device: str
+    workers: int  # default models trained at once
+    threads: int | None  # per worker
+    val_every: int = 20  # every 20th document is validation (5%)
+    warmup_fraction: float = 0.1
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    ckpt_every: int = 60
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.seq_len * self.batch_size
+
+
+SCALES = {
+    # About 80 minutes for the grid, 45 for the sweep and 60 for the ablations on 2 cores, two models at a time.
+    "cpu": Scale(
+        name="cpu",
+        sizes={"S": (64, 4, 8), "M": (96, 6, 8), "L": (128, 8, 8)},
+        reference="M",
+        seq_len=1024,
+        batch_size=4,
+        steps=(240, 120),
+        lrs=(1.5e-3, 3e-3, 6e-3, 1.2e-2),
+        vocab_size=2048,
+        eval_tokens=1 << 16,
+        device="cpu",
+        workers=2,
+        threads=1,
+    ),
+    # One GPU, bf16, one model at a time; the top size has about 169M parameters (152M without embeddings).
+    "gpu": Scale(
+        name="gpu",
+        sizes={"S": (384, 6, 12), "M": (512, 8, 16), "L": (1024, 12, 16)},
+        reference="M",
+        seq_len=2048,
+        batch_size=32,
+        steps=(300, 150),
+        lrs=(7.5e-4, 1.5e-3, 3e-3, 6e-3),
+        vocab_size=8192,
+        eval_tokens=1 << 20,
+        device="cuda",
+        workers=1,
+        threads=None,
+        ckpt_every=100,
+    ),
+}
+
+
+@dataclass(frozen=True, order=True)
+class Run:
+    size: str
+    steps: int
+    variant: str
+    lr: float
+    seed: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.size}-{self.steps}-{self.variant}-lr{self.lr:g}-s{self.seed}"
+
+    def model_overrides(self, scale: Scale) -> dict:
+        d_model, n_layers, n_heads = scale.sizes[self.size]
+        options = VARIANTS[self.variant][1]
+        return dict(d_model=d_model, n_layers=n_layers, n_heads=n_heads, max_seq_len=scale.seq_len, **options)
+
+    def train_config(self, scale: Scale, data: Path, out: Path) -> TrainConfig:
+        return TrainConfig(
+            data=str(data),
+            out=str(out),
+            preset="tiny",
+            attention=VARIANTS[self.variant][0],
+            model=self.model_overrides(scale),
+            seq_len=scale.seq_len,
+            batch_size=scale.batch_size,
+            max_steps=self.steps,
+            lr=self.lr,
+            warmup_steps=max(1, round(scale.warmup_fraction * self.steps)),
+            betas=scale.betas,
+            weight_decay=scale.weight_decay,
+            eval_interval=self.steps,
+            eval_tokens=1 << 14,
+            log_interval=max(1, self.steps // 24),
+            ckpt_interval=scale.ckpt_every,
+            keep_last=1,
+            seed=self.seed,
+            device=scale.device,
+            threads=scale.threads,
+        )
+
+
+# the plan ----------------------------------------------------------------------------------------------------------
+def sweep_runs(scale: Scale) -> list[Run]:
+    return [Run(scale.reference, scale.steps[0], v, lr, 0) for v in ("diff", "standard") for lr in scale.lrs]
+
+
+def grid_runs(scale: Scale, best: dict[str, float], seeds: list[int]) -> list[Run]:
+    runs = [
+        Run(size, steps, v, best[v], 0) for size in scale.sizes for steps in scale.steps for v in ("diff", "standard")
+    ]
+    runs += [Run(scale.reference, scale.steps[0], v, best[v], s) for s in seeds[1:] for v in ("diff", "standard")]
+    runs.append(Run(scale.reference, scale.steps[0], "diff_v2", best["diff"], 0))
+    return runs
+
+
+def ablation_runs(scale: Scale, best: dict[str, float], seeds: list[int]) -> list[Run]:
+    variants = ("diff", "standard", *ABLATIONS)
+    return [Run(scale.reference, scale.steps[1], v, best[VARIANTS[v][2]], s) for s in seeds for v in variants]
+
+
+def best_lrs(scale: Scale, measures: dict[str, dict]) -> dict[str, float]:
+    """Each architecture's learning rate with the lowest validation loss in the sweep."""
+    missing = [r.name for r in sweep_runs(scale) if r.name not in measures]
+    if missing:
+        raise InputError(
+            f"the learning-rate sweep is not complete ({len(missing)} runs missing, e.g. {missing[0]}); run "
+            "`difftx repro lm --part sweep` with the same --out first (or --part all)"
+        )
+    best = {}
+    for arch in ("diff", "standard"):
+        runs = [r for r in sweep_runs(scale) if r.variant == arch]
+        best[arch] = min(runs, key=lambda r: measures[r.name]["val"]["loss"]).lr
+    return best
+
+
+# the corpus --------------------------------------------------------------------------------------------------------
+def study_documents(corpora: list[str | Path], read: bool = True) -> tuple[list[str], list[str]]:
+    """(documents, sources): the built-in corpus, then each corpus directory's documents in sorted file order
+    (with ``read=False`` only the check that every directory is there)."""
+    for folder in map(Path, corpora):
+        if not folder.is_dir():
+            hint = FETCH.get(folder.name, "difftx data fetch shakespeare|sotu --out DIR")
+            raise FileNotFoundError(f"corpus directory {folder} does not exist; fetch it with `{hint}`")
+    if not read:
+        return [], []
+    docs = list(corpus.pydocs_documents())
+    sources = [f"pydocs: {len(docs)} documents (CPython help topics and docstrings)"]
+    for folder in map(Path, corpora):
+        found = list(corpus.iter_documents(corpus.find_files([folder])))
+        docs += found
+        sources.append(f"{folder}: {len(found)} documents")
+    return docs, sources
+
+
+def ensure_data(out: Path, scale: Scale, corpora: list[str | Path]) -> Path:
+    """out/data, prepared once: BPE trained on the training documents, then every document tokenised whole into
+    its split (``split="documents"``)."""
+    from difftransformer.training.tokenizer import train_bpe
+
+    data = out / "data"
+    if (data / "manifest.json").is_file():
+        read_manifest(data)
+        return data
+    docs, sources = study_documents(corpora)
+    size = sum(len(d.encode()) for d in docs)
+    print(f"corpus: {len(docs)} documents, {size / 1e6:.1f} MB; training a {scale.vocab_size}-token BPE on the "
+          "training documents", flush=True)  # fmt: skip
+    train_docs = [d for i, d in enumerate(docs) if not is_val_document(i, scale.val_every)]
+    tokenizer = train_bpe(iter(train_docs), scale.vocab_size, out / "tokenizer")
+    prepare(docs, tokenizer, data, val_every=scale.val_every, sources=sources, split="documents")
+    return data
+
+
+# running -----------------------------------------------------------------------------------------------------------
+def open_study(out: Path, scale: Scale, seeds: list[int]) -> dict:
+    """Create out/study.json, or check that the study already in ``out`` is this one."""
+    record = {"scale": dataclasses.asdict(scale), "seeds": seeds}
+    return open_plan(
+        out,
+        STUDY,
+        record,
+        "study",
+        lambda saved, path: (
+            f"{out} holds a study with another plan ({path}: scale {saved.get('scale', {}).get('name')!r}, seeds "
+            f"{saved.get('seeds')}); continue it with the same --scale, --steps and --seeds, or give a new --out"
+        ),
+    )
+
+
+def read_measures(out: Path) -> dict[str, dict]:
+    """Every measured run of the study, by name; all must have been measured on the same data."""
+    found = {}
+    for path in sorted((out / "measures").glob("*.json")):
+        found[path.stem] = read_json_object(path)
+    data = {m["data"] for m in found.values() if "data" in m}
+    if len(data) > 1:
+        raise InputError(
+            f"the runs measured in {out / 'measures'} were trained on different data ({', '.join(sorted(data))}): "
+            "their losses cannot be compared; keep the runs of one prepared corpus only"
+        )
+    return found
+
+
+def execute(runs: list[Run], scale: Scale, out: Path, data: Path, workers: int) -> None:
+    """Train (or resume) and measure every run not measured yet, ``workers`` at a time, the costliest first."""
+    done = read_measures(out)
+    todo = sorted({r for r in runs if r.name not in done}, key=lambda r: -_cost(r, scale))
+    if not todo:
+        return
+    print(f"{len(todo)} runs to train ({len(set(runs)) - len(todo)} done), {workers} at a time", flush=True)
+    jobs = [(r, scale, str(data), str(out)) for r in todo]
+    if workers <= 1:
+        for job in jobs:
+            _report(_train_and_measure(*job))
+        return
+    _run_processes(jobs, workers, out)
+
+
+def _run_processes(jobs: list[tuple], workers: int, out: Path) -> None:
+    """One spawned process per run, at most ``workers`` at once, each in its own session so that a Ctrl-C reaches
+    this process only: the first SIGINT or SIGTERM is passed on once as SIGTERM (each run finishes its step, writes a
+    checkpoint and stops; no new run starts), a second one stops the runs at once (their last checkpoints stay)."""
+    ctx = get_context("spawn")
+    pending, running, failed, passed_on = list(jobs), {}, [], False
+    with StopSignals() as signals:
+        try:
+            while running or (pending and not failed and not signals.received):
+                while pending and len(running) < workers and not failed and not signals.received:
+                    job = pending.pop(0)
+                    proc = ctx.Process(target=_job_process, args=job, name=job[0].name)
+                    proc.start()
+                    running[proc] = job[0]
+                if signals.received and not passed_on:
+                    for proc in running:
+                        proc.terminate()
+                    passed_on = True
+                wait([proc.sentinel for proc in running], timeout=1.0)
+                for proc in [p for p in running if p.exitcode is not None]:
+                    run = running.pop(proc)
+                    if proc.exitcode == 0:
+                        _report(read_json_object(out / "measures" / f"{run.name}.json"))
+                    else:
+                        failed.append((run, proc.exitcode))
+        finally:
+            for proc in running:  # only after a second signal (or a defect here): stop them now
+                proc.terminate()
+                proc.join()
+    codes = {code for _, code in failed}
+    if signals.received or codes & {128 + signal.SIGINT, 128 + signal.SIGTERM}:
+        signum = signals.received or (signal.SIGINT if 128 + signal.SIGINT in codes else signal.SIGTERM)
+        raise Interrupted(
+            signum, "the study stopped; the runs in progress wrote checkpoints: run the same command to continue"
+        )
+    if failed:
+        run, code = failed[0]
+        how = f"was killed by signal {-code} (out of memory?)" if code < 0 else f"failed (exit code {code})"
+        message = f"the run {out / 'runs' / run.name} {how}; its error, if any, is printed above"
+        raise InputError(message) if code == 2 else RuntimeError(message)
+
+
+def _job_process(run: Run, scale: Scale, data: str, out: str) -> None:
+    """A spawned process's job: exit 0 when measured, 2 for a user error, 128 + signal when interrupted."""
+    os.setsid()
+    try:
+        _train_and_measure(run, scale, data, out)
+    except Interrupted as err:
+        print(f"{run.name}: {err}", file=sys.stderr, flush=True)
+        sys.exit(128 + err.signum)
+    except (InputError, OSError) as err:
+        print(f"{run.name}: {err}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+def _report(measure: dict) -> None:
+    print(f"  {measure['name']}: val loss {measure['val']['loss']:.4f} ({measure['train_seconds']:.0f} s)", flush=True)
+
+
+def _cost(run: Run, scale: Scale) -> float:
+    d_model, n_layers, _ = scale.sizes[run.size]
+    per_token = 12 * n_layers * d_model**2 + 2 * n_layers * scale.seq_len * d_model + 2 * d_model * scale.vocab_size
+    return run.steps * per_token * (1.4 if VARIANTS[run.variant][0] == "diff" else 1.0)
+
+
+def _train_and_measure(run: Run, scale: Scale, data: str, out: str) -> dict:
+    """Train the run to its end (resuming it when it was started), then measure it."""
+    if scale.threads:
+        torch.set_num_threads(scale.threads)
+    out_dir = Path(out)
+    run_dir = out_dir / "runs" / run.name
+    resume = (run_dir / TRAIN_CONFIG).is_file()
+    cfg = resume_config(run_dir, data=data) if resume else run.train_config(scale, Path(data), run_dir)
+    trainer = Trainer(cfg, resume=resume, quiet=True)
+    try:
+        first, start = trainer.step_idx, time.perf_counter()
+        try:
+            trainer.fit()
+            measure = measure_run(trainer, run, scale, Path(data))
+        except TrainingDiverged as err:  # recorded as such (a sweep's high learning rate may diverge)
+            measure = diverged(run, scale, trainer.model.config, str(err))
+        seconds, trained = time.perf_counter() - start, trainer.step_idx - first
+    finally:
+        trainer.close()
+    measure.update(train_seconds=seconds, seconds_per_step=seconds / trained if trained else None)
+    (out_dir / "measures").mkdir(exist_ok=True)
+    write_text_atomic(out_dir / "measures" / f"{run.name}.json", json.dumps(measure) + "\n")
+    return measure
+
+
+def _identity(run: Run, scale: Scale, cfg) -> dict:
+    """What every measurement record starts with: the run, its size and its token budget."""
+    return {
+        "name": run.name,
+        "run": dataclasses.asdict(run),
+        "parameters": count_parameters(cfg),
+        "non_embedding": count_parameters(cfg, exclude_embeddings=True),
+        "tokens": run.steps * scale.tokens_per_step,
+    }
+
+
+def diverged(run: Run, scale: Scale, cfg, why: str) -> dict:
+    """The record of a run that diverged: an infinite loss, so that no comparison picks it."""
+    inf = float("inf")
+    return {
+        **_identity(run, scale, cfg),
+        "diverged": why,
+        "val": {"loss": inf, "recall_loss": inf, "other_loss": inf, "recall_tokens": 0, "other_tokens": 0},
+        "per_position": [],
+        "documents": 0,
+        "lambda": None,
+    }
+
+
+def measure_run(trainer: Trainer, run: Run, scale: Scale, data: Path) -> dict:
+    """Validation loss (all targets, recall hits, others) and the per-position loss of long documents."""
+    model = trainer.model
+    val = TokenData(data, "val")
+    windows = eval_windows(val, scale.seq_len, scale.eval_tokens)
+    device = next(model.parameters()).device
+    losses = lm_measure.token_losses(model, windows.to(device), amp=trainer.amp).cpu()
+    docs = lm_measure.document_windows(val, trainer.tokenizer.eot_id, scale.seq_len)
+    doc_losses = lm_measure.token_losses(model, docs.to(device), amp=trainer.amp).cpu() if len(docs) else None
+    cfg = model.config
+    return {
+        **_identity(run, scale, cfg),
+        "data": trainer.data_record["id"],  # the shards' digest: every run of a study must share it
+        "val": lm_measure.split_by_recall(losses, windows),
+        "val_windows": len(windows),
+        "per_position": lm_measure.per_position(doc_losses) if doc_losses is not None else [],
+        "documents": len(docs),
+        "lambda": layer_lambdas(model),
+    }
+
+
+def run(
+    out: str | Path,
+    scale: str = "cpu",
+    parts: tuple[str, ...] = PARTS,
+    seeds: list[int] | None = None,
+    workers: int | None = None,
+    steps: int | None = None,
+    corpora: list[str | Path] | None = None,
+) -> dict:
+    """Run (or continue) the study's ``parts`` into ``out`` and write its report; returns the results."""
+    from difftransformer.apps.repro import lm_report
+
+    if scale not in SCALES:
+        raise InputError(f"unknown scale {scale!r}; choose one of {', '.join(SCALES)}")
+    plan = SCALES[scale]
+    if steps is not None:
+        plan = dataclasses.replace(plan, steps=(steps, max(1, steps // 2)), ckpt_every=min(plan.ckpt_every, steps))
+    seeds = list(range(3)) if seeds is None else seeds
+    out = Path(out)
+    corpora = list(DEFAULT_CORPORA if corpora is None else corpora)
+    if device_problem(plan.device) is not None:  # everything here is checked before anything is written
+        raise InputError(
+            f"--scale {scale} trains on {plan.device!r}, which this machine lacks (no CUDA GPU, or torch is a CPU "
+            "build); use --scale cpu here"
+        )
+    if not (out / "data" / "manifest.json").is_file():
+        study_documents(corpora, read=False)
+    if "sweep" not in parts:
+        best_lrs(plan, read_measures(out))
+    open_study(out, plan, seeds)
+    data = ensure_data(out, plan, corpora)
+    workers = plan.workers if workers is None else workers
+    for part in PARTS:
+        if part not in parts:
+            continue
+        start = time.perf_counter()
+        if part == "sweep":
+            runs = sweep_runs(plan)
+        else:
+            best = best_lrs(plan, read_measures(out))
+            runs = grid_runs(plan, best, seeds) if part == "grid" else ablation_runs(plan, best, seeds)
+        try:
+            execute(runs, plan, out, data, workers)
+        finally:
+            total = _add_time(out, part, time.perf_counter() - start)
+        print(f"difftx repro lm: {part} done, {total / 60:.1f} min of training in all", flush=True)
+    return lm_report.write(out, plan, seeds, read_measures(out))
+
+
+def _add_time(out: Path, part: str, seconds: float) -> float:
+    """Add this invocation's wall-clock to the part's total in out/timings.json (a resumed study counts both)."""
+    path = out / TIMINGS
+    timings = read_json_object(path) if path.is_file() else {}
+    timings[part] = timings.get(part, 0.0) + seconds
+    write_text_atomic(path, json.dumps(timings, indent=1) + "\n")
+    return timings[part]

@@ -1,0 +1,498 @@
+"""The language-model study's report: results.json, section.md and figures from the measured runs.
+
+Every section is written from the runs measured so far, so a study with only some parts done still reports them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import shutil
+import statistics
+from pathlib import Path
+
+from difftransformer.apps.repro import report
+from difftransformer.apps.repro.lm import (
+    ABLATIONS,
+    STUDY,
+    TIMINGS,
+    Run,
+    Scale,
+    ablation_runs,
+    best_lrs,
+    grid_runs,
+    read_measures,
+    sweep_runs,
+)
+from difftransformer.apps.repro.scaling import fit_power_law, fraction_needed, t_interval
+from difftransformer.fsutil import read_json_object
+
+PAPER = {
+    "parameter_fraction": 0.622,  # 6.8B DIFF matches an 11B Transformer (Figure 3a)
+    "token_fraction": 0.637,  # 3B DIFF at 160B tokens matches the Transformer at 251B (Figure 3b)
+    "ablations_1.4b": {  # Table 6, validation loss
+        "standard": 3.087,
+        "diff": 3.062,
+        "diff-no-head-norm": 3.122,
+        "diff-lambda-0.8": 3.065,
+        "diff-lambda-0.5": 3.066,
+    },
+}
+LABELS = {
+    "diff": "DIFF",
+    "standard": "standard",
+    "diff_v2": "DIFF V2",
+    "diff-no-head-norm": "DIFF without the per-head norm",
+    "diff-lambda-0.8": "DIFF, constant lambda_init 0.8",
+    "diff-lambda-0.5": "DIFF, constant lambda_init 0.5",
+    "standard-head-norm": "standard with the per-head norm",
+    "diff-all-heads": "DIFF with as many heads as standard (half the head size)",
+}
+PAIR = ("diff", "standard")
+
+
+def _loss(measures: dict, run: Run, key: str = "loss") -> float | None:
+    m = measures.get(run.name)
+    return None if m is None else m["val"][key]
+
+
+def analyse(scale: Scale, seeds: list[int], measures: dict[str, dict]) -> dict:
+    """The numbers of every complete part (a part with a missing run is reported as incomplete)."""
+    result: dict = {"experiment": "lm", "scale": dataclasses.asdict(scale), "seeds": seeds, "paper": PAPER}
+    sweep = sweep_runs(scale)
+    like_sweep = [Run(**m["run"]) for m in measures.values()]  # the sweep's runs, and any at other rates
+    result["sweep"] = [
+        {"variant": r.variant, "lr": r.lr, "loss": _loss(measures, r), "in_plan": r.lr in scale.lrs}
+        for r in sorted(like_sweep)
+        if (r.size, r.steps, r.seed) == (scale.reference, scale.steps[0], 0) and r.variant in PAIR
+    ]
+    if any(r.name not in measures for r in sweep):
+        result["incomplete"] = ["sweep", "grid", "ablations"]
+        return result
+    best = best_lrs(scale, measures)
+    result["best_lr"] = best
+    result["best_at_edge"] = {a: lr in (min(scale.lrs), max(scale.lrs)) for a, lr in best.items()}
+    result["incomplete"] = []
+    grid = grid_runs(scale, best, seeds)
+    if all(r.name in measures for r in grid):
+        result.update(_grid(scale, seeds, best, measures))
+    else:
+        result["incomplete"].append("grid")
+    ablations = ablation_runs(scale, best, seeds)
+    if all(r.name in measures for r in ablations):
+        result["ablations"] = _ablations(scale, seeds, best, measures)
+        if "grid" not in result["incomplete"]:
+            result["token_fraction_reference"] = _token_fraction_seeds(scale, seeds, best, measures)
+    else:
+        result["incomplete"].append("ablations")
+    return result
+
+
+def _point(measures: dict, run: Run) -> dict:
+    m = measures[run.name]
+    return {
+        "size": run.size,
+        "steps": run.steps,
+        "tokens": m["tokens"],
+        "variant": run.variant,
+        "seed": run.seed,
+        "lr": run.lr,
+        "non_embedding": m["non_embedding"],
+        "parameters": m["parameters"],
+        **{k: m["val"][k] for k in ("loss", "recall_loss", "other_loss", "recall_tokens", "other_tokens")},
+        "seconds_per_step": m.get("seconds_per_step"),
+    }
+
+
+def _grid(scale: Scale, seeds: list[int], best: dict, measures: dict) -> dict:
+    hi, lo = scale.steps
+    ref = scale.reference
+    points = [_point(measures, r) for r in grid_runs(scale, best, seeds)]
+
+    def pick(size, steps, variant, seed=0):
+        return measures[Run(size, steps, variant, best[variant], seed).name]
+
+    fits = {}
+    for steps in (hi, lo):
+        per_seed = []
+        for seed in seeds if steps == hi else seeds[:1]:
+            curves = {}
+            for a in PAIR:
+                xs = [pick(s, steps, a)["non_embedding"] for s in scale.sizes]
+                ys = [pick(s, steps, a, seed if s == ref else 0)["val"]["loss"] for s in scale.sizes]
+                curves[a] = fit_power_law(xs, ys)
+            sizes_n = {s: pick(s, steps, "standard")["non_embedding"] for s in scale.sizes}
+            at_size = {s: fraction_needed(curves["diff"], curves["standard"], n) for s, n in sizes_n.items()}
+            per_seed.append((curves, at_size, at_size[list(scale.sizes)[-1]]))
+        curves, at_size, _ = per_seed[0]
+        tops = [p[2] for p in per_seed]
+        fits[str(steps)] = {
+            "fit": {a: dataclasses.asdict(curves[a]) for a in PAIR},
+            "fraction_at_size": at_size,
+            "fraction_at_top_by_seed": tops,
+            "fraction_at_top": t_interval(tops) if all(math.isfinite(t) for t in tops) else None,
+        }
+    token_fits = {}
+    for size in scale.sizes:
+        curves = {a: fit_power_law([pick(size, st, a)["tokens"] for st in (hi, lo)],
+                                   [pick(size, st, a)["val"]["loss"] for st in (hi, lo)]) for a in PAIR}  # fmt: skip
+        token_fits[size] = {
+            "fit": {a: dataclasses.asdict(curves[a]) for a in PAIR},
+            "fraction": fraction_needed(curves["diff"], curves["standard"], hi * scale.tokens_per_step),
+        }
+    diffs = [pick(ref, hi, "diff", s)["val"]["loss"] - pick(ref, hi, "standard", s)["val"]["loss"] for s in seeds]
+    positions = {a: [pick(ref, hi, a, s)["per_position"] for s in seeds] for a in PAIR}
+    v2 = measures[Run(ref, hi, "diff_v2", best["diff"], 0).name]
+    return {
+        "grid": points,
+        "param_fits": fits,
+        "token_fits": token_fits,
+        "paired": {"differences": diffs, "interval": t_interval(diffs)},
+        "per_position": {
+            "bucket": 32,
+            "documents": pick(ref, hi, "diff")["documents"],
+            "curves": positions,
+            "difference": [
+                [d - s for d, s in zip(dc, sc, strict=True)]
+                for dc, sc in zip(positions["diff"], positions["standard"], strict=True)
+            ],
+        },
+        "diff_v2": {"loss": v2["val"]["loss"], "lr": best["diff"], "seed": 0},
+    }
+
+
+def _ablations(scale: Scale, seeds: list[int], best: dict, measures: dict) -> list[dict]:
+    lo = scale.steps[1]
+    rows = []
+    for variant in ("standard", "diff", *ABLATIONS):
+        runs = [Run(scale.reference, lo, variant, best[_family(variant)], s) for s in seeds]
+        base = [Run(scale.reference, lo, "diff", best["diff"], s) for s in seeds]
+        losses = [measures[r.name]["val"]["loss"] for r in runs]
+        vs_diff = [a - measures[b.name]["val"]["loss"] for a, b in zip(losses, [r for r in base], strict=True)]
+        rows.append(
+            {
+                "variant": variant,
+                "lr": runs[0].lr,
+                "losses": losses,
+                "recall": [measures[r.name]["val"]["recall_loss"] for r in runs],
+                "other": [measures[r.name]["val"]["other_loss"] for r in runs],
+                "minus_diff": vs_diff,
+                "interval_minus_diff": t_interval(vs_diff),
+                "non_embedding": measures[runs[0].name]["non_embedding"],
+                "paper": PAPER["ablations_1.4b"].get(variant),
+            }
+        )
+    return rows
+
+
+def _family(variant: str) -> str:
+    from difftransformer.apps.repro.lm import VARIANTS
+
+    return VARIANTS[variant][2]
+
+
+def _token_fraction_seeds(scale: Scale, seeds: list[int], best: dict, measures: dict) -> dict:
+    """At the reference size, per seed: the fraction of the long budget's tokens DIFF needs to reach the standard
+    model's loss there (two budgets per seed: the grid's long runs and the ablation baselines' short ones)."""
+    hi, lo = scale.steps
+    fractions = []
+    for seed in seeds:
+        curves = {}
+        for a in PAIR:
+            runs = [Run(scale.reference, st, a, best[a], seed) for st in (hi, lo)]
+            curves[a] = fit_power_law([measures[r.name]["tokens"] for r in runs],
+                                      [measures[r.name]["val"]["loss"] for r in runs])  # fmt: skip
+        fractions.append(fraction_needed(curves["diff"], curves["standard"], hi * scale.tokens_per_step))
+    finite = all(math.isfinite(f) for f in fractions)
+    return {"by_seed": fractions, "interval": t_interval(fractions) if finite else None}
+
+
+# writing -----------------------------------------------------------------------------------------------------------
+def write(out: Path, scale: Scale, seeds: list[int], measures: dict[str, dict]) -> dict:
+    result = analyse(scale, seeds, measures)
+    timings = out / TIMINGS
+    result["minutes"] = {k: v / 60 for k, v in read_json_object(timings).items()} if timings.is_file() else {}
+    report.write_json(out / "results.json", result)
+    if "grid" in result:
+        _plot_scaling(result, scale, out)
+        _plot_positions(result, out)
+    if result["sweep"]:
+        _plot_sweep(result, out)
+    (out / "section.md").write_text(markdown(result))
+    return result
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None or not math.isfinite(x) else f"{100 * x:.1f}%"
+
+
+def _interval(iv, fmt="{:.4f}") -> str:
+    if iv is None:
+        return "-"
+    m, lo, hi = iv
+    return f"{fmt.format(m)} (95% t-interval {fmt.format(lo)} to {fmt.format(hi)})"
+
+
+def markdown(result: dict) -> str:
+    sc = result["scale"]
+    hi, lo = sc["steps"]
+    tps = sc["seq_len"] * sc["batch_size"]
+    lines = [
+        "## Language modeling: scaling, long context, recall slices, ablations",
+        "",
+        f"Scale `{sc['name']}`: sizes (d_model, layers, standard heads) "
+        + ", ".join(f"{k} {tuple(v)}" for k, v in sc["sizes"].items())
+        + f"; context {sc['seq_len']}, {sc['batch_size']} sequences per step ({tps:,} tokens); budgets {hi} and {lo} "
+        f"steps ({hi * tps / 1e6:.2f}M and {lo * tps / 1e6:.2f}M tokens); BPE vocabulary {sc['vocab_size']}; AdamW "
+        f"betas {tuple(sc['betas'])}, weight decay {sc['weight_decay']}, warmup {sc['warmup_fraction']:.0%} then "
+        f"cosine to 10%. Seeds {result['seeds']} at size {sc['reference']}. Validation: {sc['eval_tokens']:,} tokens "
+        "of held-out documents (no document is on both sides). Wall-clock: "
+        + (", ".join(f"{k} {v:.0f} min" for k, v in result.get("minutes", {}).items()) or "-")
+        + ".",
+        "",
+    ]
+    if result["sweep"]:
+        lines += ["### Learning-rate sweep", "", f"Size {sc['reference']}, {hi} steps, seed 0. Validation loss:", ""]
+        lrs = sorted({r["lr"] for r in result["sweep"]})
+        lines += ["| model | " + " | ".join(f"lr {x:g}" for x in lrs) + " |", "|---|" + "---|" * len(lrs)]
+        for a in PAIR:
+            by = {r["lr"]: r["loss"] for r in result["sweep"] if r["variant"] == a}
+            cells = ["-" if x not in by else "diverged" if math.isinf(by[x]) else f"{by[x]:.4f}" for x in lrs]
+            lines.append(f"| {LABELS[a]} | " + " | ".join(cells) + " |")
+        extra = sorted({r["lr"] for r in result["sweep"] if not r["in_plan"]})
+        if extra:
+            lines += ["", f"Not in this scale's sweep (runs of an earlier plan, kept in the study), shown but not used "
+                          f"to choose: lr {', '.join(f'{x:g}' for x in extra)}."]  # fmt: skip
+        if "best_lr" in result:
+            lines += ["", "Best: " + ", ".join(f"{LABELS[a]} {lr:g}" for a, lr in result["best_lr"].items()) + "."]
+            edge = [LABELS[a] for a, e in result["best_at_edge"].items() if e]
+            if edge:
+                lines.append(f"The best rate of {', '.join(edge)} is at the edge of the sweep: a wider one could do "
+                             "better.")  # fmt: skip
+        lines.append("")
+    if "grid" in result:
+        lines += _grid_markdown(result, sc)
+    if "ablations" in result:
+        lines += _ablation_markdown(result, sc)
+    if result.get("incomplete"):
+        lines += [f"Not yet run (or not complete): {', '.join(result['incomplete'])}.", ""]
+    lines += ["Figures: `lm_*.png` beside this report.", ""]
+    return "\n".join(lines)
+
+
+def _grid_markdown(result: dict, sc: dict) -> list[str]:
+    hi, lo = sc["steps"]
+    lines = [
+        "### Loss against size and tokens (seed 0; the reference size's long budget: mean of the seeds)",
+        "",
+        "| size | non-embedding params (DIFF / standard) | steps | DIFF | standard | DIFF - standard |",
+        "|---|---|---|---|---|---|",
+    ]
+    grid = result["grid"]
+    for size in sc["sizes"]:
+        for steps in (hi, lo):
+            row = {a: [p for p in grid if p["size"] == size and p["steps"] == steps and p["variant"] == a]
+                   for a in PAIR}  # fmt: skip
+            loss = {a: report.mean([p["loss"] for p in row[a]]) for a in PAIR}
+            lines.append(
+                f"| {size} | {row['diff'][0]['non_embedding']:,} / {row['standard'][0]['non_embedding']:,} | {steps} | "
+                f"{loss['diff']:.4f} | {loss['standard']:.4f} | {loss['diff'] - loss['standard']:+.4f} |"
+            )
+    v2 = result["diff_v2"]
+    lines += ["", f"DIFF V2 at {sc['reference']}, {hi} steps, seed 0, lr {v2['lr']:g} (DIFF's): {v2['loss']:.4f}.", ""]
+    speed = []
+    for size in sc["sizes"]:
+        per = {a: [p["seconds_per_step"] for p in grid if p["size"] == size and p["variant"] == a
+                   and p["seconds_per_step"]] for a in PAIR}  # fmt: skip
+        if all(per.values()):
+            d, s = (statistics.median(per[a]) for a in PAIR)
+            speed.append(f"{size} {d:.2f} vs {s:.2f} s ({d / s:.2f}x)")
+    lines += [
+        "Seconds per step, DIFF vs standard (medians over the size's runs; one thread each, two runs at a time on "
+        "a shared 2-core machine, so only roughly comparable): "
+        + ("; ".join(speed) or "-")
+        + ". The losses above are at "
+        "equal steps and tokens; at equal time DIFF would have fewer steps.",
+        "",
+    ]
+    top = list(sc["sizes"])[-1]
+    fit = result["param_fits"][str(hi)]
+    f = fit["fit"]
+    lines += [
+        f"Fits L = a N^-b over non-embedding parameters N ({hi} steps): DIFF a={f['diff']['a']:.3f} "
+        f"b={f['diff']['b']:.4f}; standard a={f['standard']['a']:.3f} b={f['standard']['b']:.4f}.",
+        "",
+        f"**Parameter fraction**: the share of the standard model's parameters DIFF needs for the standard model's "
+        f"loss, at size {top}: {_interval(fit['fraction_at_top'], '{:.1%}')} over the seeds of size "
+        f"{sc['reference']} (by seed: {', '.join(_pct(x) for x in fit['fraction_at_top_by_seed'])}); at each size "
+        f"(seed 0): "
+        + ", ".join(f"{k} {_pct(v)}" for k, v in fit["fraction_at_size"].items())
+        + f". Paper: {_pct(PAPER['parameter_fraction'])} (6.8B vs 11B). Above 100% means DIFF needs more.",
+        "",
+        "**Token fraction**: the share of the long budget's tokens DIFF needs for the standard model's loss after "
+        "the long budget (two budgets per curve, so the power law interpolates between them and extrapolates beyond): "
+        + ", ".join(f"{k} {_pct(v['fraction'])}" for k, v in result["token_fits"].items())
+        + " (seed 0)"
+        + _token_seeds(result, sc)
+        + f". Paper: {_pct(PAPER['token_fraction'])} (3B, 160B vs 251B tokens).",
+        "",
+    ]
+    for steps, fit_ in result["param_fits"].items():
+        flat = [LABELS[a] for a in PAIR if fit_["fit"][a]["b"] <= 0]
+        if flat:
+            lines += [f"At {steps} steps the loss of {' and '.join(flat)} does not fall with size (fitted exponent "
+                      "b <= 0): this budget is too small for the larger models, and no parameter fraction can be read "
+                      "from it.", ""]  # fmt: skip
+    p = result["paired"]
+    lines += [
+        f"**Paired difference** at {sc['reference']}, {hi} steps (DIFF - standard validation loss, same seed): "
+        + ", ".join(f"{d:+.4f}" for d in p["differences"])
+        + f"; mean {_interval(p['interval'], '{:+.4f}')}.",
+        "",
+    ]
+    ref_rows = [x for x in grid if x["size"] == sc["reference"] and x["steps"] == hi and x["variant"] in PAIR]
+    lines += [
+        f"**Recall slices** at {sc['reference']}, {hi} steps (mean over seeds): a recall hit is a token whose "
+        "preceding 2 tokens, followed by it, already occurred earlier in the window.",
+        "",
+        "| model | all | recall hits | others | share of hits |",
+        "|---|---|---|---|---|",
+    ]
+    for a in PAIR:
+        rows = [x for x in ref_rows if x["variant"] == a]
+        share = report.mean([x["recall_tokens"] / (x["recall_tokens"] + x["other_tokens"]) for x in rows])
+        cells = [report.mean([x[k] for x in rows]) for k in ("loss", "recall_loss", "other_loss")]
+        lines.append(f"| {LABELS[a]} | " + " | ".join(f"{c:.4f}" for c in cells) + f" | {share:.1%} |")
+    pp = result["per_position"]
+    lines += ["", _positions_summary(pp, sc), ""]
+    return lines
+
+
+def _token_seeds(result: dict, sc: dict) -> str:
+    seeded = result.get("token_fraction_reference")
+    if not seeded:
+        return ""
+    return f"; at {sc['reference']} over the seeds {_interval(seeded['interval'], '{:.1%}')}"
+
+
+def _positions_summary(pp: dict, sc: dict) -> str:
+    diffs = pp["difference"]
+    if not diffs or not diffs[0]:
+        return "**Per-position loss**: no validation document is long enough."
+    n = len(diffs[0])
+    mean = [report.mean([d[i] for d in diffs]) for i in range(n)]
+    below = sum(m < 0 for m in mean)
+    q = max(1, n // 4)
+    return (
+        f"**Per-position loss** over {pp['documents']} validation documents of at least {sc['seq_len'] + 1} tokens, "
+        f"positions 0-{sc['seq_len'] - 1} of each document, buckets of {pp['bucket']}: DIFF - standard (mean of the "
+        f"seeds) is below zero in {below} of {n} buckets; first quarter {report.mean(mean[:q]):+.4f}, last quarter "
+        f"{report.mean(mean[-q:]):+.4f} nats. Paper (Figure 4, 64K-token books): DIFF lower at every position."
+    )
+
+
+def _ablation_markdown(result: dict, sc: dict) -> list[str]:
+    lines = [
+        f"### Ablations (the paper's Table 6) at {sc['reference']}, {sc['steps'][1]} steps, seeds {result['seeds']}",
+        "",
+        "| model | lr | validation loss | minus DIFF (paired) | recall hits | others | non-embedding params | "
+        "paper (1.4B) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for row in result["ablations"]:
+        lines.append(
+            f"| {LABELS[row['variant']]} | {row['lr']:g} | {report.mean_std(row['losses'], 4)} | "
+            f"{_interval(row['interval_minus_diff'], '{:+.4f}') if row['variant'] != 'diff' else '-'} | "
+            f"{report.mean(row['recall']):.4f} | {report.mean(row['other']):.4f} | {row['non_embedding']:,} | "
+            f"{row['paper'] if row['paper'] is not None else '-'} |"
+        )
+    lines.append("")
+    return lines
+
+
+def _plot_scaling(result: dict, scale: Scale, out: Path) -> None:
+    plt = report.pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    hi, lo = scale.steps
+    for steps, style in ((hi, "-"), (lo, "--")):
+        fit = result["param_fits"][str(steps)]["fit"]
+        for a in PAIR:
+            pts = [p for p in result["grid"] if p["steps"] == steps and p["variant"] == a and p["seed"] == 0]
+            xs = [p["non_embedding"] for p in pts]
+            axes[0].plot(xs, [p["loss"] for p in pts], "o", color=report.COLORS[a])
+            grid = [min(xs) * (max(xs) / min(xs)) ** (i / 40) for i in range(41)]
+            axes[0].plot(grid, [fit[a]["a"] * x ** -fit[a]["b"] for x in grid], style, color=report.COLORS[a],
+                         label=f"{LABELS[a]}, {steps} steps")  # fmt: skip
+    axes[0].set(xscale="log", xlabel="non-embedding parameters", ylabel="validation loss (nats/token)")
+    axes[0].legend(fontsize=7)
+    for size, marker in zip(scale.sizes, "osd", strict=False):
+        for a in PAIR:
+            pts = sorted((p["tokens"], p["loss"]) for p in result["grid"]
+                         if p["size"] == size and p["variant"] == a and p["seed"] == 0)  # fmt: skip
+            axes[1].plot(*zip(*pts, strict=True), marker + "-", color=report.COLORS[a], label=f"{LABELS[a]} {size}")
+    axes[1].set(xscale="log", xlabel="training tokens", ylabel="validation loss")
+    axes[1].legend(fontsize=6, ncol=2)
+    fig.tight_layout()
+    fig.savefig(out / "lm_scaling.png", dpi=110)
+    plt.close(fig)
+
+
+def _plot_positions(result: dict, out: Path) -> None:
+    pp = result["per_position"]
+    if not pp["difference"] or not pp["difference"][0]:
+        return
+    plt = report.pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    b = pp["bucket"]
+    for a in PAIR:
+        for i, curve in enumerate(pp["curves"][a]):
+            xs = [b * j + b / 2 for j in range(len(curve))]
+            axes[0].plot(xs, curve, color=report.COLORS[a], alpha=0.7, lw=1, label=LABELS[a] if i == 0 else None)
+    axes[0].set(xlabel="position in the document", ylabel="loss (nats/token)", title="per-position loss, each seed")
+    axes[0].legend(fontsize=7)
+    n = len(pp["difference"][0])
+    xs = [b * j + b / 2 for j in range(n)]
+    for curve in pp["difference"]:
+        axes[1].plot(xs, curve, color="0.6", lw=0.8)
+    axes[1].plot(xs, [report.mean([d[j] for d in pp["difference"]]) for j in range(n)], color="k", lw=1.5)
+    axes[1].axhline(0, color="tab:red", lw=0.8)
+    axes[1].set(xlabel="position in the document", ylabel="DIFF - standard", title="difference (grey: seeds)")
+    fig.tight_layout()
+    fig.savefig(out / "lm_positions.png", dpi=110)
+    plt.close(fig)
+
+
+def _plot_sweep(result: dict, out: Path) -> None:
+    plt = report.pyplot()
+    fig, ax = plt.subplots(figsize=(5, 3.4))
+    for a in PAIR:
+        pts = sorted((r["lr"], r["loss"]) for r in result["sweep"] if r["variant"] == a)
+        if pts:
+            ax.plot(*zip(*pts, strict=True), "o-", color=report.COLORS[a], label=LABELS[a])
+    ax.set(xscale="log", xlabel="peak learning rate", ylabel="validation loss", title="learning-rate sweep")
+    lrs = sorted({r["lr"] for r in result["sweep"]})
+    ax.set_xticks(lrs, [f"{x:g}" for x in lrs])
+    ax.minorticks_off()
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "lm_sweep.png", dpi=110)
+    plt.close(fig)
+
+
+def export(study: Path, dest: Path, scale: Scale, seeds: list[int]) -> dict:
+    """The study's report without its models and data, into ``dest`` (for committing): the plan, the timings, every
+    run's measurements and learning curve (curves/NAME.jsonl), then the report written from them. A study directory
+    seeded with ``dest``'s measures/ skips those runs, so a study can continue on another machine."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in (STUDY, TIMINGS):
+        if (study / name).is_file():
+            shutil.copy2(study / name, dest / name)
+    for folder in ("measures", "curves"):
+        (dest / folder).mkdir(exist_ok=True)
+    measures = read_measures(study)
+    for name in measures:
+        shutil.copy2(study / "measures" / f"{name}.json", dest / "measures" / f"{name}.json")
+        metrics = study / "runs" / name / "metrics.jsonl"
+        if metrics.is_file():
+            shutil.copy2(metrics, dest / "curves" / f"{name}.jsonl")
+    return write(dest, scale, seeds, measures)

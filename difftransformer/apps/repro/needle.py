@@ -1,0 +1,183 @@
+"""Multi-needle retrieval: matched DIFF / standard pairs trained on the needle task, scored by (N, R) and by
+depth x length (PAPER.md section 3; the protocol of ../shared/PROTOCOLS.md)."""
+
+from __future__ import annotations
+
+from functools import partial
+from pathlib import Path
+
+import torch
+
+from difftransformer.apps.repro import report
+from difftransformer.apps.repro.fit import FitSpec, final_evaluation, fit, model_from, scaled_spec, train_pairs
+from difftransformer.apps.repro.tasks import NeedleBatch, needle_batch
+
+TASK = "needle"
+SCALES = {
+    "cpu": FitSpec(
+        d_model=64, n_layers=4, n_heads=8, seq_len=64, steps=3000, batch_size=32, lr=3e-3, eval_every=250,
+        task=dict(needles=[2, 4, 6], queries=2, lengths=[32, 48, 64], eval_size=512),
+    ),
+    "gpu": FitSpec(
+        d_model=256, n_layers=8, n_heads=16, seq_len=512, steps=20000, batch_size=64, lr=1e-3, eval_every=1000,
+        task=dict(needles=[2, 4, 6, 8], queries=2, lengths=[128, 256, 512], eval_size=2048),
+    ),
+}  # fmt: skip
+NR_GRID = [(1, 1), (2, 2), (4, 2), (6, 2)]
+PAPER_NR = {"diff": [1.00, 0.92, 0.84, 0.85], "standard": [1.00, 0.85, 0.62, 0.55]}  # 4K context, PAPER.md section 3
+DEPTHS = [0.0, 0.25, 0.5, 0.75, 1.0]
+GRID_NEEDLES = (4, 2)  # (N, R) of the depth x length grid, the curves and the allocation measurement
+EVAL_SEED = 1_000_003  # every model is scored on the same examples
+
+
+def sample(gen: torch.Generator, batch: int, seq_len: int, needles: list[int], queries: int):
+    """A training batch: N drawn from ``needles`` per batch, R = min(queries, N)."""
+    n = needles[int(torch.randint(0, len(needles), (), generator=gen))]
+    nb = needle_batch(gen, batch, seq_len, n, min(queries, n))
+    return nb.tokens, nb.targets
+
+
+def eval_set(n: int, r: int, length: int, size: int, depth: float | None = None) -> NeedleBatch:
+    seed = EVAL_SEED + 1000 * n + 100 * r + length + (0 if depth is None else int(depth * 100) + 7)
+    return needle_batch(torch.Generator().manual_seed(seed), size, length, n, r, depth)
+
+
+@torch.no_grad()
+def outcomes(model, nb: NeedleBatch) -> dict[str, float]:
+    """Shares of the first query's predictions: correct, another needle's value, anything else."""
+    logits = model(nb.tokens)[torch.arange(len(nb.answer)), nb.answer_pos]
+    pred = logits.argmax(-1)
+    correct = pred == nb.answer
+    other_needle = (pred[:, None] == nb.other_values).any(-1) & ~correct
+    return {
+        "correct": correct.float().mean().item(),
+        "other_needle": other_needle.float().mean().item(),
+        "other": (~correct & ~other_needle).float().mean().item(),
+    }
+
+
+def curve_score(model, seq_len: int, size: int) -> float:
+    """The learning curve's measure: first-query accuracy at GRID_NEEDLES on a fixed set."""
+    n, r = GRID_NEEDLES
+    return round(outcomes(model, eval_set(n, r, seq_len, size))["correct"], 4)
+
+
+def train_job(attention: str, seed: int, spec: FitSpec) -> dict:
+    """Train one model and evaluate it (in the worker, so that evaluations run in parallel too)."""
+    opts = spec.task
+    run = fit(
+        attention,
+        seed,
+        spec,
+        partial(sample, seq_len=spec.seq_len, needles=opts["needles"], queries=opts["queries"]),
+        partial(curve_score, seq_len=spec.seq_len, size=min(256, opts["eval_size"])),
+    )
+    with final_evaluation(spec):
+        return {**run, "eval": evaluate(model_from(run), spec)}
+
+
+def evaluate(model, spec: FitSpec) -> dict:
+    """Outcome shares by (N, R) at the training length, and accuracy by length x depth at GRID_NEEDLES."""
+    size = spec.task["eval_size"]
+    by_nr = {f"{n},{r}": outcomes(model, eval_set(n, r, spec.seq_len, size)) for n, r in NR_GRID}
+    n, r = GRID_NEEDLES
+    grid = [
+        [outcomes(model, eval_set(n, r, length, size // 2, depth))["correct"] for depth in DEPTHS]
+        for length in spec.task["lengths"]
+    ]
+    return {"by_nr": by_nr, "depth_length": grid}
+
+
+def run(
+    out: Path, scale: str, seeds: list[int], workers: int, steps: int | None = None, logit_bits: int | None = None
+) -> dict:
+    spec = scaled_spec(SCALES, scale, steps, logit_bits)
+    result = train_pairs(out, TASK, scale, spec, partial(train_job, spec=spec), seeds, workers)
+    result.update(
+        {
+            "nr_grid": NR_GRID,
+            "depths": DEPTHS,
+            "grid_needles": GRID_NEEDLES,
+            "paper": {"nr": PAPER_NR},
+        }
+    )
+    report.write_json(out / "results.json", result)
+    _plots(result, out)
+    (out / "section.md").write_text(markdown(result))
+    return result
+
+
+def markdown(result: dict) -> str:
+    spec, seeds = result["spec"], result["seeds"]
+    lines = [
+        "## Multi-needle retrieval",
+        "",
+        *report.logit_bits_note(spec),
+        f"Matched DIFF / standard models (d_model {spec['d_model']}, {spec['n_layers']} layers, DIFF "
+        f"{spec['n_heads'] // 2} heads vs standard {spec['n_heads']}), {spec['steps']} steps of batch "
+        f"{spec['batch_size']} at context {spec['seq_len']}, N drawn from {spec['task']['needles']}, seeds {seeds}. "
+        "Needle = [MARK, key, value] in random filler; R queries [QRY, key] ask distinct needles; only the first "
+        "query is scored. Mean +- standard deviation over seeds; the paper's 4K-context numbers beside.",
+        "",
+        "| (N, R) | DIFF correct | standard correct | paper DIFF | paper standard | random needle 1/N |",
+        "|---|---|---|---|---|---|",
+    ]
+    for i, (n, r) in enumerate(result["nr_grid"]):
+        key = f"{n},{r}"
+        cells = [report.mean_std(_values(result, a, lambda e, k=key: e["by_nr"][k]["correct"])) for a in report.PAIR]
+        paper = [f"{result['paper']['nr'][a][i]:.2f}" for a in report.PAIR]
+        lines.append(f"| ({n}, {r}) | {cells[0]} | {cells[1]} | {paper[0]} | {paper[1]} | {1 / n:.2f} |")
+    lines += [
+        "",
+        "What the first query's answer was (mean over seeds): correct / another needle's value / anything else. "
+        "Accuracy above the random-needle baseline 1/N is what shows matching the key.",
+        "",
+        "| (N, R) | DIFF | standard |",
+        "|---|---|---|",
+    ]
+    for n, r in result["nr_grid"]:
+        key = f"{n},{r}"
+        cells = []
+        for a in report.PAIR:
+            shares = [
+                report.mean(_values(result, a, lambda e, k=key, s=s: e["by_nr"][k][s]))
+                for s in ("correct", "other_needle", "other")
+            ]
+            cells.append(" / ".join(f"{x:.2f}" for x in shares))
+        lines.append(f"| ({n}, {r}) | {cells[0]} | {cells[1]} |")
+    n, r = result["grid_needles"]
+    lines += ["", f"Accuracy by context length (rows) and answer depth (columns), N={n}, R={r}, mean over seeds:", ""]
+    for a in report.PAIR:
+        grid = report.mean_grid([e["depth_length"] for e in result["evals"] if e["attention"] == a])
+        lines += [f"{report.NAMES[a]}:", "", "| length | " + " | ".join(f"{d:.0%}" for d in result["depths"]) + " |"]
+        lines.append("|---|" + "---|" * len(result["depths"]))
+        for length, row in zip(result["spec"]["task"]["lengths"], grid, strict=True):
+            lines.append(f"| {length} | " + " | ".join(f"{x:.2f}" for x in row) + " |")
+        lines.append("")
+    lines += [report.curve_table(result["runs"], "accuracy (N=4, R=2)"), "", report.images(TASK), ""]
+    return "\n".join(lines)
+
+
+def _values(result: dict, attention: str, get) -> list[float]:
+    return [get(e) for e in result["evals"] if e["attention"] == attention]
+
+
+def _plots(result: dict, out: Path) -> None:
+    plt = report.pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.4), layout="constrained")
+    lengths = result["spec"]["task"]["lengths"]
+    for ax, a in zip(axes, report.PAIR, strict=True):
+        grid = report.mean_grid([e["depth_length"] for e in result["evals"] if e["attention"] == a])
+        im = ax.imshow(grid, vmin=0, vmax=1, cmap="viridis", aspect="auto")
+        ax.set_xticks(range(len(result["depths"])), [f"{d:.0%}" for d in result["depths"]])
+        ax.set_yticks(range(len(lengths)), lengths)
+        ax.set_xlabel("answer depth")
+        ax.set_ylabel("context length")
+        ax.set_title(f"{report.NAMES[a]}: accuracy")
+        for i, row in enumerate(grid):
+            for j, x in enumerate(row):
+                ax.text(j, i, f"{x:.2f}", ha="center", va="center", color="w" if x < 0.6 else "k", fontsize=8)
+    fig.colorbar(im, ax=axes)
+    fig.savefig(out / f"{TASK}_depth_length.png", dpi=110)
+    plt.close(fig)
+    report.plot_curves(result["runs"], out / f"{TASK}_curves.png", "accuracy, N=4 R=2")

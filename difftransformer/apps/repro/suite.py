@@ -1,0 +1,72 @@
+"""`difftx repro`: run one experiment or all of them into a new report directory (the language-model study, ``lm``,
+and the quantization study on it, ``quant``, also continue an interrupted run in their own directory)."""
+
+from __future__ import annotations
+
+import importlib
+import time
+from pathlib import Path
+
+from difftransformer.errors import InputError
+from difftransformer.fsutil import check_new_dir
+
+EXPERIMENTS = ("needle", "allocation", "icl", "lm", "quant")
+CONTINUED = ("lm", "quant")  # experiments that continue an interrupted run in their own directory
+LOGIT_BITS = ("needle", "icl")  # the experiments whose final evaluation can run with quantized attention logits
+
+
+def run(
+    what: str,
+    out: str | Path,
+    scale: str = "cpu",
+    seeds: int = 3,
+    workers: int | None = None,
+    steps: int | None = None,
+    models: str | Path | None = None,
+    parts: tuple[str, ...] | None = None,
+    corpora: list[str] | None = None,
+    logit_bits: int | None = None,
+) -> Path:
+    """Run ``what`` (an experiment or 'all') into ``out``, which must be new or empty; returns the report path.
+
+    allocation measures the needle task's models: those in ``models`` (a needle report directory) when given, the
+    ones ``all`` has just trained, or else it trains them itself; quant measures the language-model study in
+    ``models`` (or the one ``all`` has just run).
+    """
+    if what not in (*EXPERIMENTS, "all"):
+        raise InputError(f"unknown experiment {what!r}; choose one of {', '.join(EXPERIMENTS)} or all")
+    if seeds < 1:
+        raise InputError(f"--seeds must be at least 1, got {seeds}")
+    if logit_bits is not None:
+        from difftransformer.core.attention.logits import check_bits
+
+        if what not in LOGIT_BITS:
+            raise InputError(f"--logit-bits applies to {' and '.join(LOGIT_BITS)} (their final evaluation), not {what}")
+        check_bits(logit_bits)
+    out = Path(out)
+    if what not in CONTINUED:
+        check_new_dir(out, "report directory")
+    seed_list = list(range(seeds))
+    todo = EXPERIMENTS if what == "all" else (what,)
+    sections = []
+    for name in todo:
+        target = out / name if what == "all" else out
+        if name not in CONTINUED:  # these check their directory themselves before they write anything
+            target.mkdir(parents=True, exist_ok=True)
+        start = time.perf_counter()
+        module = importlib.import_module(f"difftransformer.apps.repro.{name}")
+        if name == "allocation":
+            source = Path(models) if models else (out / "needle" if what == "all" else None)
+            module.run(target, scale, seed_list, workers or 2, steps, models=source)
+        elif name == "quant":
+            source = Path(models) if models else (out / "lm" if what == "all" else None)
+            module.run(target, scale, seed_list, workers or 2, steps, models=source)
+        elif name == "lm":
+            module.run(target, scale, parts or module.PARTS, seed_list, workers, steps, corpora)
+        else:
+            module.run(target, scale, seed_list, workers or 2, steps, logit_bits=logit_bits)
+        print(f"difftx repro {name}: done in {time.perf_counter() - start:.0f} s -> {target / 'section.md'}")
+        sections.append((target / "section.md").read_text())
+    report = out / "report.md"
+    report.write_text(f"# The paper's claims, {scale} scale\n\n" + "\n\n".join(sections))
+    return report

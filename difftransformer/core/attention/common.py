@@ -1,0 +1,153 @@
+"""What the three attention modules share: argument checks, masks and rotary angles."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from difftransformer.core.attention.kernels import softmax_dtype
+from difftransformer.core.rotary import apply_rotary, rope_scaling_problem, rotary_angles
+from difftransformer.errors import InputError
+
+
+class KVStore(Protocol):
+    """What the attention modules need of a key/value cache (``difftransformer.inference.cache.KVCache`` is one):
+    the number of positions already stored, and ``update`` to store a layer's new keys and values (sequence on
+    dim -2) after them and return all stored so far."""
+
+    length: int
+
+    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+class AttentionBase(nn.Module):
+    """Arguments shared by the attention variants: sizes, checks, rotary settings, causality."""
+
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        layer_idx: int,
+        num_kv_heads: int | None,
+        rope_theta: float | None,
+        causal: bool,
+        per_head: int,
+        what: str,
+        rope_scaling: dict | None = None,
+    ) -> None:
+        super().__init__()
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        self.head_dim = check_heads(embed_dim, num_heads, num_kv_heads, per_head, what)
+        check_rotary(self.head_dim, rope_theta, rope_scaling)
+        if layer_idx < 0:
+            raise InputError(f"layer_idx counts layers from 0, got {layer_idx}")
+        self.embed_dim, self.num_heads, self.num_kv_heads = embed_dim, num_heads, num_kv_heads
+        self.layer_idx, self.rope_theta, self.causal = layer_idx, rope_theta, causal
+        self.rope_scaling = rope_scaling
+        self.scaling = self.head_dim**-0.5
+
+
+def check_heads(embed_dim: int, num_heads: int, num_kv_heads: int, per_head: int, what: str) -> int:
+    """Validate the head counts; return the head size ``embed_dim // (per_head * num_heads)``."""
+    if num_heads < 1 or num_kv_heads < 1:
+        raise InputError(f"num_heads ({num_heads}) and num_kv_heads ({num_kv_heads}) must be at least 1")
+    if embed_dim % (per_head * num_heads):
+        raise InputError(
+            f"embed_dim {embed_dim} is not divisible by {per_head} * num_heads = {per_head * num_heads} "
+            f"({what}); choose embed_dim a multiple of {per_head * num_heads} or another num_heads"
+        )
+    if num_heads % num_kv_heads:
+        raise InputError(
+            f"num_heads {num_heads} is not divisible by num_kv_heads {num_kv_heads}: each key/value group "
+            f"must serve the same number of query heads; choose num_kv_heads among the divisors of {num_heads}"
+        )
+    return embed_dim // (per_head * num_heads)
+
+
+def check_rotary(head_dim: int, rope_theta: float | None, rope_scaling: dict | None = None) -> None:
+    if rope_theta is not None and head_dim % 2:
+        raise InputError(
+            f"rotary embedding needs an even head size, got {head_dim}; change embed_dim or num_heads, "
+            "or pass rope_theta=None for no rotary embedding"
+        )
+    if (problem := rope_scaling_problem(rope_scaling)) is not None:
+        raise InputError(f"rope_scaling {problem}")
+
+
+def rotary_for(
+    positions: torch.Tensor | None,
+    seq_len: int,
+    head_dim: int,
+    theta: float,
+    like: torch.Tensor,
+    scaling: dict | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin for ``positions`` ((T,) or (B, T) integers), or for 0..T-1 when None, on ``like``'s device."""
+    device = like.device
+    if positions is None:
+        positions = torch.arange(seq_len, device=device)
+    elif positions.shape[-1] != seq_len:
+        raise InputError(f"positions has {positions.shape[-1]} entries for a sequence of {seq_len} tokens")
+    return rotary_angles(positions, head_dim, theta, softmax_dtype(like), scaling)
+
+
+def expand_mask(mask: torch.Tensor | None, batch: int, tq: int, tk: int) -> torch.Tensor | None:
+    """Normalise an attention mask to a boolean (B|1, 1, Tq, Tk) tensor, True where attention is allowed.
+
+    Accepts a key padding mask (B, Tk) (True for real tokens), or a full mask (B, Tq, Tk) or
+    (B|1, 1, Tq, Tk). The mask combines with causality; it does not replace it.
+    """
+    if mask is None:
+        return None
+    if mask.dtype != torch.bool:
+        raise InputError(f"attention mask must be boolean (True = may attend), got dtype {mask.dtype}")
+    if mask.dim() == 2:
+        mask = mask[:, None, None, :]
+    elif mask.dim() == 3:
+        mask = mask[:, None]
+    if mask.dim() != 4 or mask.shape[0] not in (1, batch) or mask.shape[1] != 1 or mask.shape[-1] != tk:
+        raise InputError(
+            f"attention mask of shape {tuple(mask.shape)} does not fit batch {batch}, {tq} queries and {tk} "
+            "keys; give (B, Tk), (B, Tq, Tk) or (B, 1, Tq, Tk)"
+        )
+    if mask.shape[2] not in (1, tq):
+        raise InputError(f"attention mask has {mask.shape[2]} query rows for {tq} queries")
+    return mask.expand(mask.shape[0], 1, tq, tk)
+
+
+def rotary_of(
+    attn: torch.nn.Module,
+    x: torch.Tensor,
+    positions: torch.Tensor | None,
+    cache,
+    rotary: tuple[torch.Tensor, torch.Tensor] | None,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """cos/sin of the T new tokens of ``x`` for ``attn``: ``rotary`` when the caller computed it once for all
+    layers, else from ``positions`` (default: 0..T-1, or the positions after the cache); None without RoPE."""
+    if attn.rope_theta is None:
+        return None
+    if rotary is not None:
+        return rotary
+    t = x.shape[1]
+    if positions is None and cache is not None:
+        positions = torch.arange(cache.length, cache.length + t, device=x.device)
+    return rotary_for(positions, t, attn.head_dim, attn.rope_theta, x, attn.rope_scaling)
+
+
+def project_heads(
+    attn: torch.nn.Module, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None, num_q_heads: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q (B, num_q_heads, T, d), k and v (B, Hkv, T, d) with rotary applied, for the softmax-attention modules.
+
+    ``attn`` provides q_proj, k_proj, v_proj, head_dim and num_kv_heads; ``rotary`` is (cos, sin) or None.
+    """
+    b, t, _ = x.shape
+    d = attn.head_dim
+    q = attn.q_proj(x).view(b, t, num_q_heads, d)
+    k = attn.k_proj(x).view(b, t, attn.num_kv_heads, d)
+    v = attn.v_proj(x).view(b, t, attn.num_kv_heads, d)
+    if rotary is not None:
+        q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
+    return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)

@@ -1,0 +1,223 @@
+"""Differential attention, V1 (Ye et al., ICLR 2025; PAPER.md section 1).
+
+For differential head h with query halves q1, q2 and key halves k1, k2 of size d, and a value of width 2d:
+
+    A     = (softmax(q1 k1^T / sqrt(d)) - lambda * softmax(q2 k2^T / sqrt(d))) v
+    lambda = exp(lambda_q1 . lambda_k1) - exp(lambda_q2 . lambda_k2) + lambda_init
+    lambda_init = 0.8 - 0.6 * exp(-0.3 * layer_idx)
+    o_h   = RMSNorm_2d(A) * (1 - lambda_init)
+    out   = out_proj(concat_h o_h)
+
+The parameters are named and laid out as in the reference code, so its state_dict loads unchanged:
+q_proj rows are (H, 2, d) (half-head 2h+c is component c of head h), k_proj rows (Hkv, 2, d) and
+v_proj rows (Hkv, 2d). Query head h reads key/value group h // (H // Hkv) for both maps.
+
+That pairing is the one of the reference's FlashAttention modules. Its naive module pairs grouped-query weights
+differently (query half-head i reads key half-head i // rep), and the weights do not say which module trained them:
+loading grouped-query weights that do not come from this library warns (``GQALayoutWarning``). Weights from the
+naive module have no exact equivalent in this layout.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import math
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from difftransformer.core.attention.common import AttentionBase, KVStore, expand_mask, rotary_of
+from difftransformer.core.attention.kernels import (
+    DIFF_IMPLS,
+    attention_probs,
+    diff_attention,
+    diff_attention_plain,
+    softmax_dtype,
+)
+from difftransformer.core.layers import RMSNorm
+from difftransformer.core.rotary import apply_rotary
+from difftransformer.errors import InputError
+
+
+class GQALayoutWarning(UserWarning):
+    """Grouped-query weights of unknown origin were loaded: their head pairing cannot be checked."""
+
+
+_OWN_LAYOUT = contextvars.ContextVar("difftransformer_own_layout", default=False)
+
+
+@contextmanager
+def own_layout() -> Iterator[None]:
+    """Weights loaded inside come from this library (its checkpoints and converters), whose head pairing is known."""
+    token = _OWN_LAYOUT.set(True)
+    try:
+        yield
+    finally:
+        _OWN_LAYOUT.reset(token)
+
+
+def lambda_init_fn(layer_idx: int) -> float:
+    """The paper's lambda_init schedule, with layer_idx counted from 0."""
+    return 0.8 - 0.6 * math.exp(-0.3 * layer_idx)
+
+
+class MultiheadDiffAttn(AttentionBase):
+    """Multi-head differential attention with ``num_heads`` differential heads.
+
+    Eight differential heads have the parameters of a sixteen-head standard attention of the same width.
+    ``num_kv_heads`` (a divisor of ``num_heads``) gives grouped-query attention; None means one group per head.
+    """
+
+    _version = 2  # state dicts of this version come from this library: head h reads group h // rep
+
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        layer_idx: int,
+        num_kv_heads: int | None = None,
+        rope_theta: float | None = 10000.0,
+        norm_eps: float = 1e-5,
+        causal: bool = True,
+        impl: str = "auto",
+        rope_scaling: dict | None = None,
+        head_norm: bool = True,
+        lambda_init: float | None = None,
+    ) -> None:
+        """``head_norm=False`` drops the per-head RMSNorm (the paper's ablation; the output is still scaled by
+        1 - lambda_init); ``lambda_init`` replaces the layer schedule by a constant."""
+        what = "two half-heads per differential head"
+        super().__init__(embed_dim, num_heads, layer_idx, num_kv_heads, rope_theta, causal, 2, what, rope_scaling)
+        if impl not in DIFF_IMPLS:
+            raise InputError(f"unknown impl {impl!r}; choose one of {DIFF_IMPLS}")
+        self.impl = impl
+        d, num_kv_heads = self.head_dim, self.num_kv_heads
+        self.q_proj = nn.Linear(embed_dim, 2 * num_heads * d, bias=False)
+        self.k_proj = nn.Linear(embed_dim, 2 * num_kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(embed_dim, 2 * num_kv_heads * d, bias=False)
+        self.out_proj = nn.Linear(2 * num_heads * d, embed_dim, bias=False)
+        self.lambda_init = lambda_init_fn(layer_idx) if lambda_init is None else float(lambda_init)
+        self.lambda_q1 = nn.Parameter(torch.empty(d, dtype=torch.float32))
+        self.lambda_k1 = nn.Parameter(torch.empty(d, dtype=torch.float32))
+        self.lambda_q2 = nn.Parameter(torch.empty(d, dtype=torch.float32))
+        self.lambda_k2 = nn.Parameter(torch.empty(d, dtype=torch.float32))
+        self.subln = RMSNorm(2 * d, eps=norm_eps) if head_norm else None
+        self.reset_lambda()
+
+    @classmethod
+    def from_config(cls, cfg, layer_idx: int) -> MultiheadDiffAttn:
+        """The matched pair (PAPER.md section 2): half the standard heads and groups, same head size (with
+        ``diff_heads="all"``: as many heads and groups as the standard model, of half its head size)."""
+        split = 1 if cfg.diff_heads == "all" else 2
+        half_heads = dict(num_heads=cfg.n_heads // split, num_kv_heads=cfg.n_kv_heads // split)
+        return cls(
+            cfg.d_model,
+            layer_idx=layer_idx,
+            rope_theta=cfg.rope_theta,
+            rope_scaling=cfg.rope_scaling,
+            norm_eps=cfg.norm_eps,
+            impl=cfg.attn_impl,
+            head_norm=cfg.head_norm is not False,
+            lambda_init=cfg.lambda_init,
+            **half_heads,
+        )
+
+    def reset_lambda(self, generator: torch.Generator | None = None) -> None:
+        """Re-draw the four lambda vectors from N(0, 0.1) and reset the per-head norm."""
+        for p in (self.lambda_q1, self.lambda_k1, self.lambda_q2, self.lambda_k2):
+            nn.init.normal_(p, mean=0.0, std=0.1, generator=generator)
+        if self.subln is not None:
+            self.subln.reset_parameters()
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, *args, **kwargs) -> None:
+        version = (local_metadata or {}).get("version") or 0
+        if self.num_kv_heads < self.num_heads and version < 2 and not _OWN_LAYOUT.get():
+            warnings.warn(
+                f"{prefix or 'MultiheadDiffAttn '}: grouped-query weights ({self.num_heads} heads, {self.num_kv_heads} "
+                "key/value groups) of unknown origin: this module pairs head h with group h // rep for both maps, as "
+                "the reference's FlashAttention modules do; its naive module pairs them differently (half-head i "
+                "reads key half-head i // rep), so its weights load here but compute another function. Load only "
+                "weights trained with the FlashAttention pairing; inside `with difftransformer.core.attention."
+                "own_layout():` this warning is off",
+                GQALayoutWarning,
+                stacklevel=4,
+            )
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, *args, **kwargs)
+
+    def lambda_full(self) -> torch.Tensor:
+        """The current lambda: a float32 scalar shared by all heads of this layer."""
+        dtype = softmax_dtype(self.lambda_q1)
+        lambda_1 = torch.exp(torch.sum(self.lambda_q1.to(dtype) * self.lambda_k1.to(dtype)))
+        lambda_2 = torch.exp(torch.sum(self.lambda_q2.to(dtype) * self.lambda_k2.to(dtype)))
+        return lambda_1 - lambda_2 + self.lambda_init
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+        need_weights: bool = False,
+        cache: KVStore | None = None,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """x: (B, T, D) -> (B, T, D); with need_weights also the differential map (B, H, T, Tk).
+
+        mask: boolean, (B, Tk) key padding or (B, T, Tk) / (B, 1, T, Tk), True where attention is allowed.
+        positions: (T,) or (B, T) integer positions for the rotary embedding (default 0..T-1, or after the cache).
+        cache: a KVStore; the new keys and values are stored and all cached ones attended (Tk = cached + T).
+        rotary: (cos, sin) of the new tokens' positions, when the caller computes them once for all layers.
+        """
+        b, t, _ = x.shape
+        q, k, v, mask = self._project(x, mask, positions, cache, rotary)
+        lam = self.lambda_full()
+        if need_weights:
+            attn, weights = diff_attention_plain(q, k, v, lam, scale=self.scaling, causal=self.causal, mask=mask)
+        else:
+            attn = diff_attention(q, k, v, lam, scale=self.scaling, causal=self.causal, mask=mask, impl=self.impl)
+        if self.subln is not None:
+            attn = self.subln(attn, scale=1 - self.lambda_init)  # (B, H, T, 2d)
+        else:
+            attn = attn * (1 - self.lambda_init)
+        out = self.out_proj(attn.transpose(1, 2).reshape(b, t, 2 * self.num_heads * self.head_dim))
+        return (out, weights) if need_weights else out
+
+    def _project(self, x, mask, positions, cache, rotary):
+        """q (B, H, 2, T, d), k (B, Hkv, 2, Tk, d), v (B, Hkv, Tk, 2d) with rotary and cache, and the expanded mask."""
+        b, t, _ = x.shape
+        d = self.head_dim
+        q = self.q_proj(x).view(b, t, self.num_heads, 2, d)
+        k = self.k_proj(x).view(b, t, self.num_kv_heads, 2, d)
+        v = self.v_proj(x).view(b, t, self.num_kv_heads, 2 * d)
+        rotary = rotary_of(self, x, positions, cache, rotary)
+        if rotary is not None:
+            q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
+        q = q.permute(0, 2, 3, 1, 4)  # (B, H, 2, T, d)
+        k = k.permute(0, 2, 3, 1, 4)  # (B, Hkv, 2, T, d)
+        v = v.transpose(1, 2)  # (B, Hkv, T, 2d)
+        if cache is not None:
+            k, v = cache.update(self.layer_idx, k, v)  # (B, Hkv, 2, Tk, d), (B, Hkv, Tk, 2d)
+        return q, k, v, expand_mask(mask, b, t, v.shape[-2])
+
+    @torch.no_grad()
+    def softmax_maps(
+        self,
+        x: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """The two softmax maps of every head, for analysis: (B, H, 2, T, T), float32. The differential map
+        that forward(need_weights=True) returns is ``maps[:, :, 0] - lambda_full() * maps[:, :, 1]``."""
+        q, k, _, mask = self._project(x, mask, positions, None, rotary)
+        k = k.repeat_interleave(self.num_heads // self.num_kv_heads, dim=1)
+        return attention_probs(q, k, self.scaling, self.causal, None if mask is None else mask[:, :, None])
+
+    def extra_repr(self) -> str:
+        return (
+            f"num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
+            f"layer_idx={self.layer_idx}, lambda_init={self.lambda_init:.4f}, impl={self.impl!r}"
+            + ("" if self.subln is not None else ", head_norm=False")
+        )

@@ -1,0 +1,79 @@
+"""Differential attention, V2 (Microsoft, Jan 2026; PAPER.md section 5).
+
+Keeps the baseline's key/value heads and doubles the query heads; paired query heads (2h, 2h+1) share
+their key/value group, and one ordinary attention call over the 2H query heads gives maps A:
+
+    out_h = A_{2h} - sigmoid(lambda_proj(x))_h * A_{2h+1}
+    out   = out_proj(concat_h out_h)
+
+No per-head norm, no lambda_init, no exponential re-parameterisation: lambda is per token and head.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from difftransformer.core.attention.common import AttentionBase, KVStore, expand_mask, project_heads, rotary_of
+from difftransformer.core.attention.kernels import softmax_dtype, standard_attention
+
+
+class MultiheadDiffAttnV2(AttentionBase):
+    """``num_heads`` output heads of size ``embed_dim // num_heads``, each the difference of two query heads."""
+
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        layer_idx: int,
+        num_kv_heads: int | None = None,
+        rope_theta: float | None = 10000.0,
+        causal: bool = True,
+        rope_scaling: dict | None = None,
+    ) -> None:
+        what = "one head of size embed_dim/num_heads"
+        super().__init__(embed_dim, num_heads, layer_idx, num_kv_heads, rope_theta, causal, 1, what, rope_scaling)
+        d, num_kv_heads = self.head_dim, self.num_kv_heads
+        self.q_proj = nn.Linear(embed_dim, 2 * num_heads * d, bias=False)  # rows (H, 2, d)
+        self.k_proj = nn.Linear(embed_dim, num_kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(embed_dim, num_kv_heads * d, bias=False)
+        self.out_proj = nn.Linear(num_heads * d, embed_dim, bias=False)
+        self.lambda_proj = nn.Linear(embed_dim, num_heads, bias=False)
+
+    @classmethod
+    def from_config(cls, cfg, layer_idx: int) -> MultiheadDiffAttnV2:
+        return cls(cfg.d_model, cfg.n_heads, layer_idx, cfg.n_kv_heads, cfg.rope_theta, rope_scaling=cfg.rope_scaling)
+
+    def lambda_full(self, x: torch.Tensor) -> torch.Tensor:
+        """Per-token, per-head lambda in float32: (B, H, T, 1)."""
+        return torch.sigmoid(self.lambda_proj(x).to(softmax_dtype(x))).transpose(1, 2)[..., None]
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+        need_weights: bool = False,
+        cache: KVStore | None = None,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """x: (B, T, D) -> (B, T, D); with need_weights also the differential map (B, H, T, Tk).
+
+        mask, positions, cache and rotary as in MultiheadDiffAttn.forward.
+        """
+        b, t, _ = x.shape
+        d, h = self.head_dim, self.num_heads
+        rotary = rotary_of(self, x, positions, cache, rotary)
+        q, k, v = project_heads(self, x, rotary, 2 * h)  # (B, heads, T, d)
+        if cache is not None:
+            k, v = cache.update(self.layer_idx, k, v)  # (B, Hkv, Tk, d)
+        mask = expand_mask(mask, b, t, v.shape[-2])
+        attn, probs = standard_attention(
+            q, k, v, scale=self.scaling, causal=self.causal, mask=mask, need_weights=need_weights
+        )  # (B, 2H, T, d)
+        lam = self.lambda_full(x)  # (B, H, T, 1)
+        attn = attn[:, 0::2] - lam.to(attn.dtype) * attn[:, 1::2]  # (B, H, T, d)
+        out = self.out_proj(attn.transpose(1, 2).reshape(b, t, h * d))
+        if need_weights:
+            return out, probs[:, 0::2] - lam * probs[:, 1::2]
+        return out

@@ -1,0 +1,308 @@
+"""Exact attention kernels shared by the attention modules.
+
+Shapes (PAPER.md section 1): ``H`` differential heads, ``Hkv`` key/value groups, ``rep = H // Hkv``,
+half-head size ``d``.
+
+    q: (B, H, 2, Tq, d)    component c of differential head h is q[:, h, c]
+    k: (B, Hkv, 2, Tk, d)  query head h reads group h // rep, component c for map c
+    v: (B, Hkv, Tk, 2d)    one 2d-wide value per group, shared by both maps
+
+Masking: ``causal`` lets query i see key j when ``j <= i + (Tk - Tq)`` (queries are the last Tq
+positions, as when decoding from a cache). ``mask`` is an optional boolean tensor broadcastable to
+(B, 1, Tq, Tk), True where a query may attend. A query that may attend nothing (a left-padding
+position) gets an all-zero row and output, never NaN, as PyTorch's SDPA does with a boolean mask.
+Scores and softmax are computed in float32 (float64 for float64 inputs).
+
+Exact methods for differential attention, chosen by ``impl``:
+
+- ``sdpa`` (``auto`` on GPUs, and on CPU for half-heads under 64 and fewer than 128 queries): one fused
+  ``scaled_dot_product_attention`` call over the 2H half-heads. Fused kernels need equal query and value
+  widths, so q and k are zero-padded from d to 2d (scores unchanged, scale passed explicitly) and each
+  group's 2d-wide V serves both maps: twice the baseline's attention-core work, inside a fused kernel.
+  Never materialises a (T, T) map.
+- ``plain``: materialises both (Tq, Tk) softmax maps of every head in float32; used for analysis
+  (``need_weights``) and as the readable reference.
+- ``block`` (``auto`` on CPU for half-heads of 64 or more, or 128 queries or more): processes blocks of
+  64 query rows with full key rows, so both softmax normalisers are known before touching V and
+  ``(P1 - lambda P2) @ V`` is applied once (PAPER.md section 4: the attention core does the baseline's
+  arithmetic, with no 1.5x penalty of two online-softmax passes). Keys and values are read once per
+  group, not repeated for GQA. A custom backward recomputes each block's softmax rows from q and k, so
+  training never holds the whole (T, T) maps either.
+- ``triton`` (opt-in, CUDA, ``pip install 'difftransformer[triton]'``): forward and backward Triton kernels that
+  read K and V once for both maps (``triton_diff.py``). Inputs the kernels do not handle (a boolean mask,
+  other head sizes or dtypes) take the ``auto`` path. Not chosen by ``auto``: no measurement on a GPU shows it
+  faster yet.
+
+Decoding (``auto``, at most DECODE_ROWS queries, no gradient) computes the full rows directly.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from difftransformer.core.attention.logits import active_probe
+from difftransformer.errors import InputError
+
+MASK_VALUE = torch.finfo(torch.float32).min
+# Query rows per block of the block method (64 measured fastest on a 2-core CPU, forward and backward),
+# fewer when one block's score tensor (B * 2H * rows * Tk float32 values) would exceed 8M values = 32 MiB.
+BLOCK_ROWS = 64
+BLOCK_ELEMENTS = 1 << 23
+# On CPU the block method beats the fused sdpa path (which does 2x the arithmetic) from 128 query rows on, at every
+# head size: training steps of the small preset (half-heads of 16), batch 4, block/sdpa 0.85 at T = 256 and 0.76 at
+# T = 512; tiny preset at T = 256 0.91; at T = 64 the two tie (1.00 at d = 16, 1.04 at d = 8), so sdpa stays below.
+# The block method also saves less for backward: about 1.09x the standard model's activations against 1.3x.
+BLOCK_MIN_HEAD_DIM = 64
+BLOCK_MIN_ROWS = 128
+# Without gradients and with at most this many query rows (decoding from a KV cache), ``auto`` computes full
+# rows directly: each group's keys and its 2d-wide values are read once per token for both maps.
+DECODE_ROWS = 16
+DIFF_IMPLS = ("auto", "sdpa", "block", "plain", "triton")
+
+
+def attention_probs(
+    q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool, mask: torch.Tensor | None
+) -> torch.Tensor:
+    """softmax(q k^T * scale) in float32 with masking. q: (B, N, Tq, d), k: (B, N, Tk, d) -> (B, N, Tq, Tk).
+
+    Inside a ``logit_probe`` context the probe sees (and may replace) the scores before the softmax."""
+    scores = torch.matmul(q, k.transpose(-1, -2)).to(softmax_dtype(q)) * scale
+    allowed = _full_allowed(q.shape[-2], k.shape[-2], causal, mask, q.device)
+    probe = active_probe()
+    if probe is not None:
+        scores = probe(scores, allowed)
+    if allowed is None:
+        return torch.softmax(scores, dim=-1)
+    probs = torch.softmax(scores.masked_fill(~allowed, MASK_VALUE), dim=-1)
+    return probs.masked_fill(~allowed.any(-1, keepdim=True), 0.0)
+
+
+def softmax_dtype(x: torch.Tensor) -> torch.dtype:
+    """float32 for half and single precision inputs, float64 for float64 (the exactness tests)."""
+    return torch.promote_types(x.dtype, torch.float32)
+
+
+def _full_allowed(tq, tk, causal, mask, device):
+    allowed = None
+    if causal:
+        allowed = torch.ones(tq, tk, dtype=torch.bool, device=device).tril(tk - tq)
+    if mask is not None:
+        allowed = mask if allowed is None else allowed & mask
+    return allowed
+
+
+def diff_attention_plain(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lambda_full: torch.Tensor,
+    *,
+    scale: float,
+    causal: bool = True,
+    mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Differential attention with materialised maps. Returns (out (B, H, Tq, 2d), map (B, H, Tq, Tk))."""
+    rep = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(rep, dim=1)  # (B, H, 2, Tk, d): head h reads group h // rep
+    v = v.repeat_interleave(rep, dim=1)  # (B, H, Tk, 2d)
+    probs = attention_probs(q, k, scale, causal, None if mask is None else mask[:, :, None])
+    diff_map = probs[:, :, 0] - lambda_full * probs[:, :, 1]  # (B, H, Tq, Tk)
+    return torch.matmul(diff_map.to(v.dtype), v), diff_map
+
+
+class _BlockDiffAttention(torch.autograd.Function):
+    """Block-exact differential attention: full key rows per query block, recomputed in backward.
+
+    q is pre-scaled once, the causal mask touches only each block's diagonal square, and the big
+    per-block tensors are updated in place: on CPU the elementwise passes over (rows, T) cost more than
+    the matrix products, so each one saved counts.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, lambda_full, scale, causal, mask, block):
+        b, h, _, tq, d = q.shape
+        hkv, tk = k.shape[1], k.shape[3]
+        rep = h // hkv
+        qg = (q * scale).view(b, hkv, rep, 2, tq, d).transpose(2, 3).contiguous()  # (B, Hkv, 2, rep, Tq, d), scaled
+        lam = lambda_full.to(softmax_dtype(q))
+        out = v.new_empty(b, hkv, rep, tq, v.shape[-1])
+        for i0, i1, kend in _blocks(tq, tk, causal, block):
+            probs = _block_probs(qg[..., i0:i1, :], k[:, :, :, :kend], causal, mask, i0, tk - tq)
+            diff = torch.addcmul(probs[:, :, 0], probs[:, :, 1], lam, value=-1)  # (B, Hkv, rep, bq, kend)
+            out[:, :, :, i0:i1] = torch.matmul(diff.flatten(2, 3).to(v.dtype), v[:, :, :kend]).view_as(
+                out[:, :, :, i0:i1]
+            )
+        ctx.save_for_backward(qg, k, v, lam, mask)
+        ctx.scale, ctx.causal, ctx.block, ctx.q_shape = scale, causal, block, q.shape
+        return out.view(b, h, tq, v.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        qg, k, v, lam, mask = ctx.saved_tensors
+        b, hkv, _, rep, tq, d = qg.shape
+        tk = k.shape[3]
+        dout = grad_out.reshape(b, hkv, rep, tq, v.shape[-1])
+        acc = lam.dtype  # gradients accumulate in float32 (float64 for float64 inputs)
+        dq = torch.empty(qg.shape, dtype=acc, device=qg.device)
+        dk = torch.zeros(k.shape, dtype=acc, device=k.device)
+        dv = torch.zeros(v.shape, dtype=acc, device=v.device)
+        dlam = torch.zeros((), dtype=acc, device=qg.device)
+        for i0, i1, kend in _blocks(tq, tk, ctx.causal, ctx.block):
+            q_blk = qg[..., i0:i1, :]
+            probs = _block_probs(q_blk, k[:, :, :, :kend], ctx.causal, mask, i0, tk - tq)  # recomputed
+            do = dout[:, :, :, i0:i1].flatten(2, 3)  # (B, Hkv, rep*bq, 2d)
+            v_blk = v[:, :, :kend]
+            diff = torch.addcmul(probs[:, :, 0], probs[:, :, 1], lam, value=-1).flatten(2, 3)
+            dv[:, :, :kend] += torch.matmul(diff.transpose(-1, -2).to(do.dtype), do).to(acc)
+            dpv = torch.matmul(do, v_blk.transpose(-1, -2)).to(acc).view(probs[:, :, 0].shape)
+            # map 1 receives dpv and map 2 receives -lambda * dpv; softmax backward of each map:
+            dscores = probs * dpv[:, :, None]  # P_c dP, then minus P_c rowsum(P_c dP), in place
+            rowdot = dscores.sum(-1, keepdim=True)  # (B, Hkv, 2, rep, bq, 1)
+            dlam -= rowdot[:, :, 1].sum()
+            dscores.addcmul_(probs, rowdot, value=-1)
+            dscores[:, :, 1].mul_(-lam)
+            ds = dscores.flatten(3, 4).to(qg.dtype)  # (B, Hkv, 2, rep*bq, kend)
+            dq[..., i0:i1, :] = torch.matmul(ds, k[:, :, :, :kend]).to(acc).view_as(q_blk) * ctx.scale
+            dk[:, :, :, :kend] += torch.matmul(ds.transpose(-1, -2), q_blk.flatten(3, 4)).to(acc)
+        dq = dq.transpose(2, 3).reshape(ctx.q_shape).to(qg.dtype)
+        return dq, dk.to(k.dtype), dv.to(v.dtype), dlam, None, None, None, None
+
+
+def _blocks(tq, tk, causal, block):
+    """Yield (i0, i1, kend): query rows i0:i1 and the keys 0:kend they can reach."""
+    offset = tk - tq
+    for i0 in range(0, tq, block):
+        i1 = min(tq, i0 + block)
+        yield i0, i1, (min(tk, i1 + offset) if causal else tk)
+
+
+def _block_probs(q_blk, k_blk, causal, mask, i0, offset):
+    """Both maps' softmax rows of one block: (B, Hkv, 2, rep, bq, kend), zero rows where nothing may be attended.
+
+    One fused softmax per block (on CPU cheaper than log-sum-exp, subtract and exp as separate passes), so the
+    backward recomputes the rows from q and k alone, with nothing saved per row.
+    """
+    scores, empty = _block_scores(q_blk, k_blk, causal, mask, i0, offset)
+    probs = torch.softmax(scores, dim=-1)
+    return probs if empty is None else probs.masked_fill_(empty, 0.0)
+
+
+def _block_scores(q_blk, k_blk, causal, mask, i0, offset):
+    """Masked scores of one block of (pre-scaled) queries, float32: (B, Hkv, 2, rep, bq, kend).
+
+    Also returns, when a mask is given, which rows may attend nothing ((B|1, 1, 1, 1, bq, 1) bool).
+    """
+    b, hkv, _, rep, bq, d = q_blk.shape
+    kend = k_blk.shape[-2]
+    scores = torch.matmul(q_blk.reshape(b, hkv, 2, rep * bq, d), k_blk.transpose(-1, -2))
+    scores = scores.to(softmax_dtype(q_blk)).view(b, hkv, 2, rep, bq, kend)
+    empty = None
+    if mask is not None:
+        allowed = mask[:, :, None, None, i0 : i0 + bq, :kend]  # (B|1, 1, 1, 1, bq, kend)
+        if causal:
+            rows = torch.arange(i0 + offset, i0 + offset + bq, device=scores.device)[:, None]
+            allowed = allowed & (torch.arange(kend, device=scores.device)[None, :] <= rows)
+        scores.masked_fill_(~allowed, MASK_VALUE)
+        empty = ~allowed.any(-1, keepdim=True)
+    elif causal:  # only the diagonal square [i0 + offset, kend) has keys after some query of the block
+        start = max(0, i0 + offset)
+        future = torch.ones(bq, kend - start, dtype=torch.bool, device=scores.device).triu(i0 + offset - start + 1)
+        scores[..., start:].masked_fill_(future, MASK_VALUE)
+    return scores, empty
+
+
+def block_size(batch: int, heads: int, tq: int, tk: int) -> int:
+    """Query rows per block: BLOCK_ROWS (measured fastest on CPU), fewer when one block's two score maps
+    would exceed BLOCK_ELEMENTS values."""
+    rows = BLOCK_ELEMENTS // max(1, batch * 2 * heads * tk)
+    return max(16, min(tq, BLOCK_ROWS, rows))
+
+
+def diff_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lambda_full: torch.Tensor,
+    *,
+    scale: float,
+    causal: bool = True,
+    mask: torch.Tensor | None = None,
+    impl: str = "auto",
+) -> torch.Tensor:
+    """Exact differential attention ``(softmax(q1 k1^T) - lambda softmax(q2 k2^T)) v`` -> (B, H, Tq, 2d)."""
+    if impl not in DIFF_IMPLS:
+        raise InputError(f"unknown differential attention impl {impl!r}; choose one of {DIFF_IMPLS}")
+    if active_probe() is not None:  # the logits are observed or quantized: only the plain path has them
+        impl = "plain"
+    if impl == "triton":
+        try:  # optional dependency, imported on first use
+            from . import triton_diff
+        except ImportError as err:
+            raise ImportError(
+                "attention impl 'triton' needs Triton: pip install 'difftransformer[triton]' (or use impl 'auto')"
+            ) from err
+
+        if triton_diff.supported(q, k, causal, mask):
+            return triton_diff.diff_attention_triton(q, k, v, lambda_full, scale, causal)
+        impl = "auto"
+    if impl == "auto" and q.shape[3] <= DECODE_ROWS and not torch.is_grad_enabled():
+        return _diff_decode(q, k, v, lambda_full, scale, causal, mask)
+    if impl == "auto":
+        long_or_wide = q.shape[-1] >= BLOCK_MIN_HEAD_DIM or q.shape[3] >= BLOCK_MIN_ROWS
+        impl = "block" if q.device.type == "cpu" and long_or_wide else "sdpa"
+    if impl == "plain":
+        return diff_attention_plain(q, k, v, lambda_full, scale=scale, causal=causal, mask=mask)[0]
+    if impl == "block":
+        block = block_size(q.shape[0], q.shape[1], q.shape[3], k.shape[3])
+        return _BlockDiffAttention.apply(q, k, v, lambda_full, scale, causal, mask, block)
+    return _diff_attention_sdpa(q, k, v, lambda_full, scale, causal, mask)
+
+
+def _diff_decode(q, k, v, lambda_full, scale, causal, mask):
+    """A few query rows (decoding from a cache), no gradient: full rows, keys and values read once per group."""
+    b, h, _, tq, d = q.shape
+    hkv, tk = k.shape[1], k.shape[3]
+    rep = h // hkv
+    qg = (q * scale).view(b, hkv, rep, 2, tq, d).transpose(2, 3)  # (B, Hkv, 2, rep, Tq, d)
+    probs = _block_probs(qg, k, causal, mask, 0, tk - tq)
+    diff = torch.addcmul(probs[:, :, 0], probs[:, :, 1], lambda_full.to(probs.dtype), value=-1)  # (B, Hkv, rep, Tq, Tk)
+    return torch.matmul(diff.flatten(2, 3).to(v.dtype), v).view(b, h, tq, v.shape[-1])
+
+
+def _diff_attention_sdpa(q, k, v, lambda_full, scale, causal, mask):
+    b, h, _, tq, d = q.shape
+    hkv, tk = k.shape[1], k.shape[3]
+    # Half-heads ordered (component, head) so that SDPA's GQA maps query c*H + h to key c*Hkv + h // rep.
+    q2 = F.pad(q.transpose(1, 2), (0, d)).reshape(b, 2 * h, tq, 2 * d)
+    k2 = F.pad(k.transpose(1, 2), (0, d)).reshape(b, 2 * hkv, tk, 2 * d)
+    v2 = v[:, None].expand(b, 2, hkv, tk, 2 * d).reshape(b, 2 * hkv, tk, 2 * d)
+    out, _ = standard_attention(q2, k2, v2, scale=scale, causal=causal, mask=mask)
+    out = out.view(b, 2, h, tq, 2 * d)
+    return out[:, 0] - lambda_full.to(out.dtype) * out[:, 1]  # (B, H, Tq, 2d)
+
+
+def standard_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    scale: float,
+    causal: bool = True,
+    mask: torch.Tensor | None = None,
+    need_weights: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Softmax attention with grouped keys. q: (B, N, Tq, d), k/v: (B, Nkv, Tk, dv) -> (B, N, Tq, dv).
+
+    Materialises the maps when asked for them or inside a ``logit_probe`` context (returning them only when asked)."""
+    if need_weights or active_probe() is not None:
+        rep = q.shape[1] // k.shape[1]
+        probs = attention_probs(q, k.repeat_interleave(rep, 1), scale, causal, mask)
+        return torch.matmul(probs.to(v.dtype), v.repeat_interleave(rep, 1)), (probs if need_weights else None)
+    tq, tk = q.shape[-2], k.shape[-2]
+    if mask is None and (not causal or tq == tk):
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=True)
+    else:
+        allowed = _full_allowed(tq, tk, causal, mask, q.device)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale, enable_gqa=True)
+    return out, None

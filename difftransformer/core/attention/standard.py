@@ -1,0 +1,83 @@
+"""Standard multi-head softmax attention: the matched baseline (PAPER.md section 2).
+
+The same call interface as MultiheadDiffAttn. ``num_heads`` heads of size ``embed_dim // num_heads``;
+``num_kv_heads`` groups for GQA / MQA.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from difftransformer.core.attention.common import AttentionBase, KVStore, expand_mask, project_heads, rotary_of
+from difftransformer.core.attention.kernels import standard_attention
+from difftransformer.core.layers import RMSNorm
+
+
+class MultiheadAttention(AttentionBase):
+    """Causal (by default) multi-head attention with rotary embedding and grouped keys/values."""
+
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        layer_idx: int,
+        num_kv_heads: int | None = None,
+        rope_theta: float | None = 10000.0,
+        causal: bool = True,
+        rope_scaling: dict | None = None,
+        head_norm: bool = False,
+        norm_eps: float = 1e-5,
+    ) -> None:
+        """``head_norm=True`` adds DIFF's per-head RMSNorm (one weight of the head size shared by the heads) to
+        each head's output, for the paper's ablation; the standard model has none."""
+        what = "one head of size embed_dim/num_heads"
+        super().__init__(embed_dim, num_heads, layer_idx, num_kv_heads, rope_theta, causal, 1, what, rope_scaling)
+        d, num_kv_heads = self.head_dim, self.num_kv_heads
+        self.q_proj = nn.Linear(embed_dim, num_heads * d, bias=False)
+        self.k_proj = nn.Linear(embed_dim, num_kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(embed_dim, num_kv_heads * d, bias=False)
+        self.out_proj = nn.Linear(num_heads * d, embed_dim, bias=False)
+        self.subln = RMSNorm(d, eps=norm_eps) if head_norm else None
+
+    @classmethod
+    def from_config(cls, cfg, layer_idx: int) -> MultiheadAttention:
+        return cls(
+            cfg.d_model,
+            cfg.n_heads,
+            layer_idx,
+            cfg.n_kv_heads,
+            cfg.rope_theta,
+            rope_scaling=cfg.rope_scaling,
+            head_norm=bool(cfg.head_norm),
+            norm_eps=cfg.norm_eps,
+        )
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+        need_weights: bool = False,
+        cache: KVStore | None = None,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """x: (B, T, D) -> (B, T, D); with need_weights also the softmax map (B, num_heads, T, Tk).
+
+        mask, positions, cache and rotary as in MultiheadDiffAttn.forward.
+        """
+        b, t, _ = x.shape
+        d = self.head_dim
+        q, k, v = project_heads(
+            self, x, rotary_of(self, x, positions, cache, rotary), self.num_heads
+        )  # (B, heads, T, d)
+        if cache is not None:
+            k, v = cache.update(self.layer_idx, k, v)  # (B, Hkv, Tk, d)
+        mask = expand_mask(mask, b, t, v.shape[-2])
+        attn, weights = standard_attention(
+            q, k, v, scale=self.scaling, causal=self.causal, mask=mask, need_weights=need_weights
+        )
+        if self.subln is not None:
+            attn = self.subln(attn)
+        out = self.out_proj(attn.transpose(1, 2).reshape(b, t, self.num_heads * d))
+        return (out, weights) if need_weights else out

@@ -1,0 +1,212 @@
+"""ModelConfig: the decoder's shape, validated, with named presets and a JSON round trip."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from difftransformer.core.attention.kernels import DIFF_IMPLS
+from difftransformer.core.rotary import rope_scaling_problem
+from difftransformer.errors import ConfigError, Fields, InputError
+from difftransformer.fsutil import parse_json_object, read_text
+
+ATTENTION_KINDS = ("diff", "diff_v2", "standard")
+DIFF_HEADS = ("half", "all")
+FFN_MULTIPLE = 64
+
+
+def default_ffn_dim(d_model: int) -> int:
+    """8/3 * d_model (SwiGLU with the parameters of a 4x MLP), rounded up to a multiple of 64."""
+    return FFN_MULTIPLE * math.ceil(8 * d_model / 3 / FFN_MULTIPLE)
+
+
+@dataclass
+class ModelConfig:
+    """Shape of a TransformerLM.
+
+    ``n_heads`` and ``n_kv_heads`` count the heads of the matched *standard* Transformer: with
+    ``attention="diff"`` the model uses ``n_heads // 2`` differential heads and ``n_kv_heads // 2`` key/value
+    groups of the same head size ``d_model // n_heads``, so flipping ``attention`` gives the paper's matched
+    pair (PAPER.md section 2). ``diff_v2`` keeps ``n_heads`` output heads and doubles the query heads.
+
+    Three options change the attention for the paper's ablations (Table 6) and leave everything else as it is:
+    ``head_norm`` (the per-head RMSNorm: None is each kind's own choice, on for ``diff``, off for ``standard`` and
+    ``diff_v2``; False removes it from ``diff``, keeping the 1 - lambda_init factor; True adds it to ``standard``),
+    ``lambda_init`` (``diff`` only: None is the schedule 0.8 - 0.6 exp(-0.3 layer_idx), a number in [0, 1) is used
+    in every layer) and ``diff_heads`` (``diff`` only: "half" is the paper's n_heads // 2 heads of size
+    d_model / n_heads; "all" uses n_heads differential heads of half that size, as many heads as the standard
+    model, with the same parameter count).
+    """
+
+    vocab_size: int = 256
+    d_model: int = 128
+    n_layers: int = 6
+    n_heads: int = 8
+    n_kv_heads: int | None = None
+    ffn_dim: int | None = None
+    max_seq_len: int = 256
+    rope_theta: float | None = 10000.0
+    rope_scaling: dict[str, Any] | None = (
+        None  # see difftransformer.core.rotary: linear or llama3, as in Llama checkpoints
+    )
+    norm_eps: float = 1e-5
+    attention: str = "diff"
+    attn_impl: str = "auto"
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+    dropout: float = 0.0
+    head_norm: bool | None = None
+    lambda_init: float | None = None
+    diff_heads: str = "half"
+
+    def __post_init__(self) -> None:
+        if self.rope_scaling is not None and isinstance(self.rope_scaling, dict):
+            self.rope_scaling = dict(self.rope_scaling)
+        if self.n_kv_heads is None:
+            self.n_kv_heads = self.n_heads
+        if self.ffn_dim is None:
+            self.ffn_dim = default_ffn_dim(self.d_model)
+        self._validate()
+
+    def _validate(self) -> None:
+        check = Fields(self)
+        check.integer("vocab_size", 1, 1 << 24)
+        check.integer("d_model", 1, 1 << 16)
+        check.integer("n_layers", 1, 1024)
+        check.integer("n_heads", 1, self.d_model)
+        check.integer("n_kv_heads", 1, self.n_heads)
+        check.integer("ffn_dim", 1, 1 << 20)
+        check.integer("max_seq_len", 1, 1 << 22)
+        check.number("rope_theta", 0, low_open=True, optional=True)
+        if (problem := rope_scaling_problem(self.rope_scaling)) is not None:
+            check.fail("rope_scaling", problem)
+        if self.rope_scaling is not None and self.rope_theta is None:
+            check.fail("rope_scaling", "needs a rotary embedding, but `rope_theta` is None")
+        check.number("norm_eps", 0, 1, low_open=True, high_open=True)
+        check.number("init_std", 0, 1, low_open=True)
+        check.number("dropout", 0, 1, high_open=True)
+        check.choice("attention", ATTENTION_KINDS)
+        check.choice("attn_impl", DIFF_IMPLS)
+        check.boolean("tie_embeddings")
+        self._validate_ablations(check)
+        if self.d_model % self.n_heads:
+            check.fail(
+                "d_model",
+                f"{self.d_model} is not divisible by `n_heads` {self.n_heads}; the head size is d_model / n_heads, "
+                "so pick n_heads among the divisors of d_model",
+            )
+        if self.n_heads % self.n_kv_heads:
+            check.fail(
+                "n_kv_heads",
+                f"{self.n_kv_heads} does not divide `n_heads` {self.n_heads}; pick n_kv_heads among the divisors of "
+                f"{self.n_heads}",
+            )
+        if self.attention == "diff" and self.diff_heads == "half" and (self.n_heads % 2 or self.n_kv_heads % 2):
+            check.fail(
+                "attention",
+                f"'diff' uses n_heads // 2 differential heads and n_kv_heads // 2 groups, so both must be even; got "
+                f"`n_heads` {self.n_heads} and `n_kv_heads` {self.n_kv_heads}",
+            )
+        if self.rope_theta is not None and self.attention_head_dim % 2:
+            check.fail(
+                "rope_theta",
+                f"(rotary embedding) needs an even head size; the attention's head size is {self.attention_head_dim}. "
+                "Change `d_model` or `n_heads`, or set rope_theta to None",
+            )
+
+    def _validate_ablations(self, check: Fields) -> None:
+        check.boolean("head_norm", optional=True)
+        check.number("lambda_init", 0, 1, high_open=True, optional=True)
+        check.choice("diff_heads", DIFF_HEADS)
+        if self.head_norm is not None and self.attention == "diff_v2":
+            check.fail("head_norm", "is for 'diff' and 'standard' attention; 'diff_v2' has no per-head norm")
+        for name, default in (("lambda_init", None), ("diff_heads", "half")):
+            if getattr(self, name) != default and self.attention != "diff":
+                check.fail(name, f"applies to attention 'diff' only (this model has {self.attention!r})")
+        if self.attention == "diff" and self.diff_heads == "all" and (self.d_model // self.n_heads) % 2:
+            check.fail(
+                "diff_heads",
+                f"'all' splits each head of size d_model / n_heads = {self.d_model // self.n_heads} into two halves, "
+                "so that size must be even; change `d_model` or `n_heads`",
+            )
+
+    @property
+    def head_dim(self) -> int:
+        """Head size of the matched standard Transformer, which is also DIFF's half-head size d."""
+        return self.d_model // self.n_heads
+
+    @property
+    def attention_head_dim(self) -> int:
+        """The size of one query/key head as the attention uses it (half of head_dim with diff_heads='all')."""
+        split = self.attention == "diff" and self.diff_heads == "all"
+        return self.head_dim // 2 if split else self.head_dim
+
+    @property
+    def is_ablation(self) -> bool:
+        """Whether an ablation option departs from the paper's architecture."""
+        return self.head_norm is not None or self.lambda_init is not None or self.diff_heads != "half"
+
+    @classmethod
+    def preset(cls, name: str, **overrides: Any) -> ModelConfig:
+        """A named configuration (see PRESETS), with fields overridden by keyword."""
+        if name not in PRESETS:
+            raise ConfigError("ModelConfig", "preset", f"{name!r} is unknown; choose one of {', '.join(PRESETS)}")
+        return cls.from_dict({**PRESETS[name], **overrides})
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
+        known = [f.name for f in dataclasses.fields(cls)]
+        for name in data:
+            if name not in known:
+                raise ConfigError("ModelConfig", str(name), f"is not a ModelConfig field; known: {', '.join(known)}")
+        return cls(**data)
+
+    def to_json(self, path: str | Path | None = None) -> str:
+        text = json.dumps(self.to_dict(), indent=2) + "\n"
+        if path is not None:
+            Path(path).write_text(text)
+        return text
+
+    @classmethod
+    def from_json(cls, source: str | Path) -> ModelConfig:
+        """From a JSON string or a path to a JSON file."""
+        text, where = str(source), "model config"
+        if not text.lstrip().startswith("{"):
+            path = Path(source)
+            if not path.is_file():
+                raise FileNotFoundError(f"model config {path} does not exist")
+            text, where = read_text(path), str(path)
+        data = parse_json_object(text, where)
+        try:
+            return cls.from_dict(data)
+        except ConfigError as err:
+            if where == "model config":
+                raise
+            raise InputError(f"{where}: {err}") from None
+
+
+# The paper's sizes (PAPER.md section 2) tie the input and output embeddings: counted so, the parameter
+# counts reproduce the size names (the paper does not say whether it tied them). The scaling models'
+# vocabulary is taken to be the 3B model's cl100k (100,288), which the paper states only for the 3B model.
+_PAPER = dict(vocab_size=100288, max_seq_len=2048, tie_embeddings=True)
+PRESETS: dict[str, dict[str, Any]] = {
+    # For tests and the CPU demo: about 1.3M parameters, 8 standard heads (4 differential) of size 16.
+    "tiny": dict(d_model=128, n_layers=6, n_heads=8, max_seq_len=256),
+    # CPU-trainable sizes.
+    "small": dict(d_model=256, n_layers=8, n_heads=8, max_seq_len=512),
+    "medium": dict(d_model=384, n_layers=12, n_heads=12, max_seq_len=1024),
+    "large": dict(d_model=768, n_layers=12, n_heads=12, max_seq_len=1024),
+    "830m": dict(_PAPER, d_model=1536, n_layers=24, n_heads=16),
+    "1.4b": dict(_PAPER, d_model=2048, n_layers=24, n_heads=16),
+    "2.8b": dict(_PAPER, d_model=2560, n_layers=32, n_heads=20),
+    "6.8b": dict(_PAPER, d_model=4096, n_layers=32, n_heads=32),
+    "13.1b": dict(_PAPER, d_model=5120, n_layers=40, n_heads=40),
+    "3b": dict(_PAPER, d_model=3072, n_layers=28, n_heads=24, ffn_dim=8192, max_seq_len=4096),
+}

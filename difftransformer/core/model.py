@@ -1,0 +1,149 @@
+"""TransformerLM: a LLaMA-style pre-norm decoder around any of the attention variants (PAPER.md section 2).
+
+Weight initialisation (deliberate, see ``reset_parameters``):
+- token embedding and every Linear: N(0, init_std), init_std = 0.02 as in DiffLlama and GPT-2;
+- the two projections that write into the residual stream (attention ``out_proj`` and FFN ``down_proj``):
+  N(0, init_std / sqrt(2 * n_layers)), so the residual stream's variance does not grow with depth;
+- RMSNorm weights (``subln`` included): 1; DIFF's four lambda vectors: N(0, 0.1) (the paper);
+- with tied embeddings the output head is the embedding matrix.
+Two generators seeded from one draw of torch's global RNG (taken before any module is built) fill the
+shared parts (embeddings, FFN, head) and the attention, so under the same ``torch.manual_seed`` the DIFF and
+standard models of one config start from the same embedding, FFN and head weights.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from difftransformer.core.attention import ATTENTION, MultiheadDiffAttn
+from difftransformer.core.attention.common import KVStore, rotary_of
+from difftransformer.core.config import ModelConfig
+from difftransformer.core.layers import RMSNorm, SwiGLU
+from difftransformer.errors import InputError
+
+
+class Block(nn.Module):
+    """Pre-norm residual block: x + attn(norm(x)), then x + ffn(norm(x))."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.attn = ATTENTION[cfg.attention].from_config(cfg, layer_idx)
+        self.ffn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.ffn = SwiGLU(cfg.d_model, cfg.ffn_dim)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+        cache: KVStore | None = None,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        h = self.attn_norm(x)
+        x = x + self.dropout(self.attn(h, mask=mask, positions=positions, cache=cache, rotary=rotary))
+        return x + self.dropout(self.ffn(self.ffn_norm(x)))
+
+
+class TransformerLM(nn.Module):
+    """Decoder language model: token embedding -> n_layers blocks -> RMSNorm -> output head."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        init_seed = int(torch.randint(0, 2**62, (), device="cpu").item())
+        self.embed = nn.Embedding(config.vocab_size, config.d_model)
+        self.layers = nn.ModuleList(Block(config, i) for i in range(config.n_layers))
+        self.norm = RMSNorm(config.d_model, eps=config.norm_eps)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+        self.reset_parameters(init_seed)
+
+    @torch.no_grad()
+    def reset_parameters(self, seed: int | None = None) -> None:
+        """Initialise every weight as the module docstring says; seed=None draws one from torch's RNG."""
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, (), device="cpu").item())
+        device = self.embed.weight.device
+        if device.type == "meta":
+            return
+        shared = torch.Generator(device).manual_seed(seed)
+        attention = torch.Generator(device).manual_seed(seed + 1)
+        std = self.config.init_std
+        residual_std = std / math.sqrt(2 * self.config.n_layers)
+        nn.init.normal_(self.embed.weight, mean=0.0, std=std, generator=shared)
+        if not self.config.tie_embeddings:
+            nn.init.normal_(self.lm_head.weight, mean=0.0, std=std, generator=shared)
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                module.reset_parameters()
+        for block in self.layers:
+            for name, module in block.named_modules():
+                if isinstance(module, nn.Linear):
+                    gen = attention if name.startswith("attn.") else shared
+                    is_residual = name.endswith(("out_proj", "down_proj"))
+                    nn.init.normal_(module.weight, mean=0.0, std=residual_std if is_residual else std, generator=gen)
+            if isinstance(block.attn, MultiheadDiffAttn):
+                block.attn.reset_lambda(attention)
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+        cache: KVStore | None = None,
+    ) -> torch.Tensor:
+        """tokens: (B, T) int64 -> logits (B, T, vocab_size).
+
+        mask: optional boolean (B, Tk) padding mask (True for real tokens) or (B, T, Tk) attention mask, where
+        Tk = T, or the cached positions plus T with a cache.
+        positions: optional (T,) or (B, T) positions for the rotary embedding (default 0..T-1, or after the cache).
+        cache: optional KVStore (difftransformer.inference.cache): keys and values of earlier positions, extended here.
+        """
+        self._check_tokens(tokens, 0 if cache is None else cache.length)
+        x = self.embed(tokens)
+        rotary = rotary_of(self.layers[0].attn, x, positions, cache, None)  # the same angles for every layer
+        for block in self.layers:
+            x = block(x, mask=mask, positions=positions, cache=cache, rotary=rotary)
+        if cache is not None:
+            cache.advance(tokens.shape[1])
+        return self.lm_head(self.norm(x))
+
+    def _check_tokens(self, tokens: torch.Tensor, cached: int) -> None:
+        if tokens.dim() != 2 or tokens.dtype not in (torch.int64, torch.int32):
+            raise InputError(f"tokens must be a (batch, seq) integer tensor, got {tuple(tokens.shape)} {tokens.dtype}")
+        t = tokens.shape[1] + cached
+        if t > self.config.max_seq_len:
+            raise InputError(
+                f"sequence of {t} tokens is longer than the model's context max_seq_len={self.config.max_seq_len}; "
+                "shorten the input or build the model with a larger max_seq_len"
+            )
+        if (  # a data-dependent check: skipped while torch.compile traces, so the forward has no graph break
+            not torch.compiler.is_compiling()
+            and tokens.device.type != "meta"
+            and tokens.numel()
+            and (tokens.min() < 0 or tokens.max() >= self.config.vocab_size)
+        ):
+            raise InputError(
+                f"token ids must lie in [0, {self.config.vocab_size}), got min {int(tokens.min())} and max "
+                f"{int(tokens.max())}: the data and the model use different vocabularies"
+            )
+
+    def num_parameters(self, exclude_embeddings: bool = False) -> int:
+        """Number of distinct parameters (a tied embedding counts once)."""
+        params = {id(p): p for p in self.parameters()}
+        if exclude_embeddings:
+            params.pop(id(self.embed.weight), None)
+            params.pop(id(self.lm_head.weight), None)
+        return sum(p.numel() for p in params.values())
+
+
+def count_parameters(config: ModelConfig, exclude_embeddings: bool = False) -> int:
+    """Parameter count of ``TransformerLM(config)``, built on the meta device (no memory allocated)."""
+    with torch.device("meta"):
+        return TransformerLM(config).num_parameters(exclude_embeddings)

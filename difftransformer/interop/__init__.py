@@ -1,0 +1,1 @@
+"""Interop with Hugging Face ``transformers``: the weight mapping and the run converters."""

@@ -1,0 +1,152 @@
+"""`difftx convert`: a run directory to a Hugging Face `save_pretrained` directory, and back.
+
+The Hugging Face directory holds safetensors weights, the config of `DiffLlamaForCausalLM` (DIFF) or
+`LlamaForCausalLM` (standard), and the tokenizer as a `PreTrainedTokenizerFast` (the byte tokenizer is exported
+as an equivalent byte-level BPE without merges), so plain `transformers` loads it with no custom code. Both
+directions write into a temporary directory that is renamed when complete; an existing output is never touched.
+
+An export loads the same in every supported transformers (4.48, the first with DiffLlama, to 5.x), whichever of
+them wrote it: config.json carries the rotary settings in both spellings (``rope_theta``/``rope_scaling`` and
+``rope_parameters``), the tokenizer is saved under a class name every version knows, and the end, begin and
+padding tokens agree in the model config, the generation config and the tokenizer, so ``generate()`` stops where
+``difftx generate`` stops. An import keeps the model's own special tokens (a Llama's ``</s>`` or
+``<|end_of_text|>``, its begin-of-text token) and its rotary scaling (linear, llama3).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from difftransformer.errors import InputError
+from difftransformer.fsutil import read_json_object, write_new_dir, write_text_atomic
+from difftransformer.interop.hf import calibrate_subln, diff_from_standard, from_hf, rope_entries, to_hf
+from difftransformer.training.runs import load_run, save_run
+from difftransformer.training.tokenizer import EOT, HF_FILE, ByteTokenizer, HFTokenizer, read_tokenizer_file
+
+ARCHITECTURES = ("DiffLlamaForCausalLM", "LlamaForCausalLM")
+
+
+def run_to_hf(run_dir: str | Path, out_dir: str | Path) -> Path:
+    """Write the run's newest weights and its tokenizer as a Hugging Face directory."""
+    from transformers import PreTrainedTokenizerFast
+
+    model, tokenizer = load_run(run_dir)
+    stops = tokenizer.stop_ids
+    hf_model = to_hf(
+        model,
+        eos_token_id=stops[0] if len(stops) == 1 else list(stops),
+        bos_token_id=tokenizer.bos_id,
+        pad_token_id=tokenizer.eot_id,
+    )
+    eot = getattr(tokenizer, "eot", EOT)
+    special = {"eos_token": eot, "pad_token": eot}
+    if tokenizer.bos_id is not None:
+        special["bos_token"] = tokenizer.bos
+    hf_tok = PreTrainedTokenizerFast(tokenizer_object=tokenizer.to_hf(), **special)
+
+    def write(tmp: Path) -> None:
+        hf_model.save_pretrained(tmp, safe_serialization=True)
+        hf_tok.save_pretrained(tmp)
+        _portable(tmp, model.config)
+
+    write_new_dir(out_dir, "output directory", write)
+    return Path(out_dir)
+
+
+def _portable(hf_dir: Path, config) -> None:
+    """Make what save_pretrained wrote readable by every supported transformers version."""
+    model_config = read_json_object(hf_dir / "config.json")
+    model_config.update(rope_entries(config.rope_theta, config.rope_scaling))
+    write_text_atomic(hf_dir / "config.json", json.dumps(model_config, indent=2) + "\n")
+    tok_config = read_json_object(hf_dir / "tokenizer_config.json")
+    tok_config["tokenizer_class"] = "PreTrainedTokenizerFast"  # 5.x writes TokenizersBackend, unknown to 4.x
+    tok_config["model_input_names"] = ["input_ids", "attention_mask"]  # 4.x adds token_type_ids, which generate refuses
+    write_text_atomic(hf_dir / "tokenizer_config.json", json.dumps(tok_config, indent=2) + "\n")
+
+
+def _calibration_tokens(tokenizer, max_len: int, rows: int = 4, length: int = 256):
+    """A few windows of the built-in corpus in the model's tokenizer, to calibrate a converted model."""
+    import torch
+
+    from difftransformer.training.corpus import pydocs_documents
+
+    length = min(length, max_len)
+    ids: list[int] = []
+    for doc in pydocs_documents():
+        ids += tokenizer.encode(doc)
+        if len(ids) >= rows * length:
+            break
+    return torch.tensor(ids[: rows * length]).view(rows, length)
+
+
+def hf_to_run(hf_dir: str | Path, out_dir: str | Path, attention: str | None = None) -> Path:
+    """A run directory (config, a step-0 checkpoint, tokenizer) from a DiffLlama or Llama directory.
+
+    ``attention="diff"`` with a Llama builds a DIFF model from it (``diff_from_standard``), its per-head norms
+    calibrated on the built-in corpus; ``difftx train --init-from`` then trains it.
+    """
+    from transformers import AutoModelForCausalLM
+
+    hf_dir = Path(hf_dir)
+    config_path = hf_dir / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"{hf_dir} is not a Hugging Face model directory: config.json is missing")
+    hf_config = read_json_object(config_path)
+    architectures = hf_config.get("architectures") or []
+    if not isinstance(architectures, list) or not set(architectures) & set(ARCHITECTURES):
+        raise InputError(f"{hf_dir} holds {architectures or 'an unknown architecture'}; convert takes {ARCHITECTURES}")
+    if not (hf_dir / HF_FILE).is_file():
+        raise FileNotFoundError(f"{hf_dir} has no {HF_FILE}; the run needs the model's tokenizer")
+    tokenizer = _imported_tokenizer(hf_dir, hf_config)
+    try:
+        hf_model = AutoModelForCausalLM.from_pretrained(hf_dir, local_files_only=True)
+    except (OSError, ValueError) as err:
+        raise InputError(f"transformers could not load {hf_dir}: {err}") from None
+    model = from_hf(hf_model)
+    if attention == "diff" and model.config.attention != "diff":
+        reference = model
+        model = diff_from_standard(reference)
+        calibrate_subln(model, reference, _calibration_tokens(tokenizer, model.config.max_seq_len))
+    return save_run(model, tokenizer, out_dir, {"source": str(hf_dir.resolve())})
+
+
+def _imported_tokenizer(hf_dir: Path, hf_config: dict) -> HFTokenizer | ByteTokenizer:
+    """The directory's tokenizer.json with the model's special tokens.
+
+    The end-of-text token is the model config's (first) ``eos_token_id``, else the generation config's; the
+    generation config's other end ids stop generation too when they are special tokens (Llama 3's ``<|eot_id|>``),
+    and so does the begin-of-text id (``bos_token_id``): ids of ordinary tokens there are left out, as exports of
+    earlier versions of this library wrote Llama's default ids 1 and 2 into them. Without end ids,
+    ``<|endoftext|>``."""
+    generation_path = hf_dir / "generation_config.json"
+    generation = read_json_object(generation_path) if generation_path.is_file() else {}
+    tok = read_tokenizer_file(hf_dir / HF_FILE)
+    special_ids = {i for i, t in tok.get_added_tokens_decoder().items() if t.special}
+
+    def ids(value) -> list[int]:
+        values = value if isinstance(value, list) else [] if value is None else [value]
+        for i in values:
+            if not isinstance(i, int) or isinstance(i, bool) or tok.id_to_token(i) is None:
+                raise InputError(f"{hf_dir}: the special token id {i!r} is not in {HF_FILE}")
+        return values
+
+    own, listed = ids(hf_config.get("eos_token_id")), ids(generation.get("eos_token_id"))
+    ends = own[:1] or listed[:1]
+    ends += [i for i in own[1:] + listed if i not in ends and i in special_ids]
+    bos = [i for i in ids(hf_config.get("bos_token_id", generation.get("bos_token_id"))) if i in special_ids]
+    special = {
+        "eot": tok.id_to_token(ends[0]) if ends else EOT,
+        "stop": [tok.id_to_token(i) for i in ends[1:]],
+        "bos": tok.id_to_token(bos[0]) if bos else None,
+    }
+    if special == {"eot": EOT, "stop": [], "bos": None} and _is_exported_byte_tokenizer(tok):
+        return ByteTokenizer()  # our own byte tokenizer, back from an export: same ids, same fingerprint
+    return HFTokenizer(tok, str(hf_dir / HF_FILE), **special)
+
+
+def _is_exported_byte_tokenizer(tok) -> bool:
+    """Whether ``tok`` is ByteTokenizer.to_hf() as save_pretrained wrote it (same model, vocabulary and tokens)."""
+    ours = ByteTokenizer().to_hf()
+    theirs, mine = json.loads(tok.to_str()), json.loads(ours.to_str())
+    return theirs["model"] == mine["model"] and tok.get_vocab(True) == ours.get_vocab(True)

@@ -1,0 +1,246 @@
+"""TrainConfig: one training run's settings, every field range-checked once, and what a resume may change."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from difftransformer.core.config import ATTENTION_KINDS, PRESETS, ModelConfig
+from difftransformer.errors import ConfigError, Fields, InputError
+from difftransformer.fsutil import parse_json_object, read_text
+from difftransformer.training.distributed import PARALLEL_MODES
+
+# What a resume may change: the length of the run, where its data lies, and how it runs (none of these changes the
+# optimisation up to the step it stopped at). Everything else is part of the run's recipe.
+RESUMABLE = (
+    "max_steps",
+    "data",
+    "device",
+    "threads",
+    "parallel",
+    "grad_accum",
+    "compile",
+    "checkpoint_activations",
+    "eval_interval",
+    "log_interval",
+    "ckpt_interval",
+    "keep_last",
+    "max_nonfinite_steps",
+)
+
+
+@dataclass
+class TrainConfig:
+    """One training run. The defaults follow the paper (AdamW (0.9, 0.98), lr 1.5e-3, wd 0.05, 375 warmup steps)
+    scaled to short runs: warmup is capped at a tenth of the steps."""
+
+    data: str  # a directory made by `difftx data prepare`
+    out: str  # the run directory (not saved in it: a run directory is wherever it is)
+    preset: str = "tiny"
+    attention: str = "diff"
+    model: dict[str, Any] = field(default_factory=dict)  # ModelConfig overrides
+    init_from: str | None = None  # a run directory whose newest weights (and model config) start this run
+    seq_len: int | None = None  # None: min(preset max_seq_len, 256)
+    batch_size: int = 16  # sequences per optimizer step, all processes together
+    grad_accum: int = 1
+    max_steps: int = 2000
+    lr: float = 1.5e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int | None = None  # None: min(375, max_steps // 10)
+    betas: tuple[float, float] = (0.9, 0.98)
+    weight_decay: float = 0.05
+    grad_clip: float = 1.0
+    eval_interval: int = 200
+    eval_tokens: int = 1 << 16
+    log_interval: int = 10
+    ckpt_interval: int = 500
+    keep_last: int = 3  # checkpoints kept; 0 keeps all
+    seed: int = 0
+    device: str = "auto"
+    dtype: str = "auto"  # auto: bfloat16 autocast on GPUs that support it, else float32
+    compile: bool = False
+    checkpoint_activations: bool = False
+    parallel: str = "none"
+    threads: int | None = None
+    max_nonfinite_steps: int = 5  # steps in a row with a NaN/Inf loss or gradient that are skipped before stopping
+
+    def __post_init__(self) -> None:
+        if isinstance(self.betas, list):
+            self.betas = tuple(self.betas)
+        check = Fields(self)
+        check.integer("max_steps", 1, 1 << 40)
+        if self.warmup_steps is None:
+            self.warmup_steps = min(375, self.max_steps // 10)
+        check.text("data")
+        check.text("out")
+        check.choice("preset", PRESETS)
+        check.choice("attention", ATTENTION_KINDS)
+        self._check_model_overrides(check)
+        check.text("init_from", optional=True)
+        check.integer("seq_len", 1, 1 << 22, optional=True)
+        check.integer("batch_size", 1, 1 << 20)
+        check.integer("grad_accum", 1, self.batch_size)
+        if self.batch_size % self.grad_accum:
+            check.fail("batch_size", f"{self.batch_size} is not divisible by `grad_accum` {self.grad_accum}")
+        check.number("lr", 0, 1, low_open=True, hint=" (the peak learning rate; the paper uses 1.5e-3)")
+        check.number("min_lr_ratio", 0, 1)
+        check.integer("warmup_steps", 0, self.max_steps)
+        if not (isinstance(self.betas, tuple) and len(self.betas) == 2):
+            check.fail("betas", f"must be two numbers in [0, 1), got {self.betas!r}")
+        for i, beta in enumerate(self.betas):
+            if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0 <= beta < 1:
+                check.fail("betas", f"must be two numbers in [0, 1); entry {i} is {beta!r}")
+        check.number("weight_decay", 0, 1)
+        check.number(
+            "grad_clip", 0, low_open=True, hint=" (the largest gradient norm kept; 1.0 by default, 1e9 for no clipping)"
+        )
+        for name in ("eval_interval", "log_interval", "ckpt_interval"):
+            check.integer(name, 1, 1 << 40)
+        check.integer("eval_tokens", 1, 1 << 40)
+        check.integer("keep_last", 0, 1 << 20)
+        check.integer("seed", 0, (1 << 63) - 1)
+        if (problem := device_problem(self.device)) is not None:
+            check.fail("device", problem)
+        check.choice("dtype", ("auto", "float32", "bfloat16"))
+        check.boolean("compile")
+        check.boolean("checkpoint_activations")
+        check.choice("parallel", PARALLEL_MODES)
+        check.integer("threads", 1, 1024, optional=True)
+        check.integer("max_nonfinite_steps", 1, 1 << 20)
+
+    def _check_model_overrides(self, check: Fields) -> None:
+        if not isinstance(self.model, dict):
+            check.fail("model", f"must be a JSON object of ModelConfig fields, got {self.model!r}")
+        known = [f.name for f in dataclasses.fields(ModelConfig)]
+        for name in self.model:
+            if name == "attention":
+                check.fail("model", "must not set attention; use `attention`")
+            if name not in known:
+                check.fail("model", f"has {name!r}, which is not a ModelConfig field; known: {', '.join(known)}")
+
+    def model_config(self, vocab_size: int) -> ModelConfig:
+        overrides = dict(self.model)
+        if "vocab_size" in overrides and overrides["vocab_size"] != vocab_size:
+            raise ConfigError(
+                "TrainConfig",
+                "model",
+                f"sets vocab_size {overrides['vocab_size']}, but the data's tokenizer has {vocab_size} tokens; drop "
+                "the vocab_size override or prepare the data with the matching tokenizer",
+            )
+        return ModelConfig.preset(self.preset, attention=self.attention, **{**overrides, "vocab_size": vocab_size})
+
+    def resolve_seq_len(self, model_config: ModelConfig) -> None:
+        """Default the window length to min(max_seq_len, 256); refuse one longer than the model's context."""
+        if self.seq_len is None:
+            self.seq_len = min(model_config.max_seq_len, 256)
+        if self.seq_len > model_config.max_seq_len:
+            raise ConfigError(
+                "TrainConfig",
+                "seq_len",
+                f"{self.seq_len} exceeds the model's max_seq_len {model_config.max_seq_len}; train on shorter windows "
+                "or raise max_seq_len in `model`",
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields saved with a run: all but ``out``."""
+        data = dataclasses.asdict(self)
+        del data["out"]
+        return data
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str, out: str, where: str = "train config") -> TrainConfig:
+        """A saved config (``out`` is the directory it now lies in; an ``out`` saved by older versions is ignored)."""
+        return _build(_saved_fields(text, where), out, where, changed=())
+
+
+def _saved_fields(text: str, where: str) -> dict[str, Any]:
+    data = parse_json_object(text, where)
+    data.pop("out", None)
+    known = {f.name for f in dataclasses.fields(TrainConfig)}
+    for name in data:
+        if name not in known:
+            raise InputError(f"{where} has an unknown field {name!r}; it was written by another version")
+    if "data" not in data:
+        raise InputError(f"{where} has no 'data' field")
+    return data
+
+
+def _build(fields: dict[str, Any], out: str, where: str, changed) -> TrainConfig:
+    """TrainConfig(**fields); an error in a saved (unchanged) field names the file it came from."""
+    try:
+        return TrainConfig(**fields, out=out)
+    except ConfigError as err:
+        if err.field in changed:
+            raise
+        raise InputError(f"{where}: {err}") from None
+
+
+def device_problem(device: object) -> str | None:
+    """What is wrong with a device name on this machine (None when it can be used)."""
+    if device == "auto":
+        return None
+    try:
+        parsed = torch.device(device) if isinstance(device, str) else None
+    except (RuntimeError, TypeError, ValueError):
+        parsed = None
+    if parsed is None or parsed.type not in ("cpu", "cuda", "mps"):
+        return f"must be 'auto', 'cpu', 'cuda', 'cuda:N' or 'mps', got {device!r}"
+    if parsed.type == "cuda":
+        if not torch.cuda.is_available():
+            return f"is {device!r}, but no CUDA GPU is available here (or torch is a CPU build); use cpu or auto"
+        if parsed.index is not None and parsed.index >= torch.cuda.device_count():
+            return f"is {device!r}, but this machine has {torch.cuda.device_count()} GPU(s)"
+    if parsed.type == "mps" and not torch.backends.mps.is_available():
+        return f"is {device!r}, but MPS is not available here; use cpu or auto"
+    return None
+
+
+def resume_config(run_dir: str | Path, max_steps: int | None = None, **changes: Any) -> TrainConfig:
+    """The TrainConfig saved in a run directory, with ``changes`` applied: the fields in RESUMABLE may change,
+    the others only be repeated with their saved value. The run is resumed where it lies (``out`` = run_dir)."""
+    from difftransformer.training.runs import TRAIN_CONFIG, refuse_quantized
+
+    refuse_quantized(Path(run_dir), "train further")
+    path = Path(run_dir) / TRAIN_CONFIG
+    if not path.is_file():
+        raise FileNotFoundError(f"{run_dir} is not a run directory ({TRAIN_CONFIG} is missing)")
+    saved = _saved_fields(read_text(path), str(path))
+    if changes.pop("out", None) not in (None, str(run_dir)):
+        raise ConfigError(
+            "TrainConfig",
+            "out",
+            "cannot be given when resuming: a resume writes into the run directory itself. To branch a run, copy "
+            "its directory (cp -r RUN NEW) and resume the copy",
+        )
+    changes["max_steps"] = max_steps
+    changed = []
+    for name, value in changes.items():
+        if value is None or value == saved.get(name, _DEFAULTS.get(name)):
+            continue
+        if name not in _DEFAULTS:
+            raise ConfigError("TrainConfig", name, "is not a TrainConfig field")
+        if name not in RESUMABLE:
+            raise ConfigError(
+                "TrainConfig",
+                name,
+                f"cannot change when resuming (the run has {saved.get(name, _DEFAULTS[name])!r}): it is part of the "
+                "run's recipe. To train these weights with another value, start a new run from them with `init_from`",
+            )
+        saved[name] = str(Path(value).resolve()) if name == "data" else value
+        changed.append(name)
+    return _build(saved, str(run_dir), str(path), changed)
+
+
+_DEFAULTS = {
+    f.name: f.default if f.default is not dataclasses.MISSING else None
+    for f in dataclasses.fields(TrainConfig)
+    if f.name != "out"
+}

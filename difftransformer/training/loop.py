@@ -1,0 +1,477 @@
+"""The training loop: AdamW with the paper's defaults, warmup then cosine decay, clipping, accumulation,
+autocast, periodic validation (loss and bits per byte), JSONL metrics with lambda per layer, crash-safe
+checkpoints and exact resume, on one process or many (torchrun, DDP or FSDP2).
+
+Guards: a step whose loss or gradient is not finite is skipped (logged, the weights untouched) and
+``max_nonfinite_steps`` of them in a row stop the run (``TrainingDiverged``) with its last checkpoint intact.
+SIGINT and SIGTERM finish the current step, write a checkpoint and raise ``Interrupted``. A run that fails before
+its first checkpoint removes the directory it created. The data's checksums are verified at the start.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from difftransformer.core.attention.diff import own_layout
+from difftransformer.core.config import ModelConfig
+from difftransformer.core.model import TransformerLM
+from difftransformer.errors import ConfigError, InputError, Interrupted, TrainingDiverged
+from difftransformer.fsutil import check_new_dir, write_text_atomic
+from difftransformer.training.checkpoint import (
+    clean_stale,
+    list_checkpoints,
+    load_checkpoint,
+    load_model_tensors,
+    save_checkpoint,
+)
+from difftransformer.training.config import TrainConfig, resume_config
+from difftransformer.training.data import TokenData, WindowSampler, data_identity, eval_windows, verify_data
+from difftransformer.training.distributed import (
+    World,
+    all_reduce_max,
+    all_reduce_mean,
+    barrier,
+    full_state,
+    init_world,
+    load_full_state,
+    parallelize,
+    unwrap,
+)
+from difftransformer.training.interrupts import StopSignals
+from difftransformer.training.runs import (
+    LOCK,
+    METRICS,
+    MODEL_CONFIG,
+    TRAIN_CONFIG,
+    RunLock,
+    check_weights,
+    is_unstarted_run,
+    refuse_quantized,
+)
+from difftransformer.training.tokenizer import load_tokenizer
+
+__all__ = ["TrainConfig", "Trainer", "lr_at", "resume_config", "train"]
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warmup to lr, then cosine decay to lr * min_lr_ratio at max_steps."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    progress = (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps)
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
+    """AdamW; weight decay on matrices and embeddings only (not on norms or the lambda vectors)."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, foreach=False)
+
+
+def layer_lambdas(model: torch.nn.Module) -> list[float] | None:
+    """lambda of every layer (V1 models), as floats; None for models without a per-layer lambda."""
+    blocks = unwrap(model).layers
+    if not hasattr(blocks[0].attn, "lambda_init"):
+        return None
+    values = []
+    with torch.no_grad():
+        for block in blocks:
+            lam = block.attn.lambda_full()  # a DTensor under FSDP2, whose operations have global meaning
+            values.append(round(float(lam.full_tensor() if hasattr(lam, "full_tensor") else lam), 6))
+    return values
+
+
+def autocast_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype | None:
+    if cfg.dtype == "float32":
+        return None
+    if cfg.dtype == "bfloat16":
+        return torch.bfloat16
+    if device.type == "cuda" and torch.cuda.is_bf16_supported():
+        return torch.bfloat16
+    return None
+
+
+@torch.no_grad()
+def evaluate(
+    model, windows: torch.Tensor, token_bytes: torch.Tensor, device, amp, batch: int = 8
+) -> tuple[float, float]:
+    """Mean validation loss (nats per token) and bits per byte over fixed windows."""
+    model.eval()
+    total_loss, total_tokens, total_bytes = 0.0, 0, 0
+    for i in range(0, len(windows), batch):
+        chunk = windows[i : i + batch].to(device)
+        with torch.autocast(device.type, dtype=amp or torch.float32, enabled=amp is not None):
+            logits = model(chunk[:, :-1])
+        loss = F.cross_entropy(logits.float().flatten(0, 1), chunk[:, 1:].flatten(), reduction="sum")
+        total_loss += float(loss)
+        total_tokens += chunk[:, 1:].numel()
+        total_bytes += int(token_bytes[chunk[:, 1:].cpu()].sum())
+    model.train()
+    return total_loss / total_tokens, total_loss / math.log(2) / max(1, total_bytes)
+
+
+class Progress:
+    """A one-line progress bar on terminals, a plain line per update elsewhere."""
+
+    def __init__(self, total: int, enabled: bool) -> None:
+        self.total, self.enabled, self.tty = total, enabled, sys.stderr.isatty()
+
+    def update(self, step: int, loss: float, tokens_per_s: float, seconds_left: float) -> None:
+        if not self.enabled:
+            return
+        frac = step / self.total
+        bar = "#" * int(24 * frac) + "-" * (24 - int(24 * frac))
+        left = time.strftime("%H:%M:%S", time.gmtime(max(0, seconds_left)))
+        line = f"[{bar}] {step}/{self.total} loss {loss:.4f} {tokens_per_s:,.0f} tok/s {left} left"
+        print(("\r" + line) if self.tty else line, end="" if self.tty else "\n", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.enabled and self.tty:
+            print(file=sys.stderr)
+
+
+class Trainer:
+    """Holds one run: model, optimizer, data, and the run directory. ``train_step()`` trains one optimizer step,
+    ``fit()`` trains with logging, validation and checkpoints. ``close()`` releases the run directory.
+
+    A new run refuses a directory that already holds something; ``resume=True`` continues the run in ``cfg.out``
+    from its newest checkpoint (or from step 0 if it stopped before its first), writing only into that directory.
+    """
+
+    def __init__(self, cfg: TrainConfig, resume: bool = False, world: World | None = None, quiet: bool = False):
+        self.cfg, self.world, self.quiet = cfg, world or init_world(cfg.device), quiet
+        self.run_dir = Path(cfg.out)
+        self.lock: RunLock | None = None
+        self.created_dir = False  # this process made the run directory: a failed start removes it
+        self.saved_step: int | None = None
+        self.nonfinite_in_a_row = 0
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        try:
+            self._setup(resume)
+        except BaseException:
+            self._remove_failed_start()
+            self.close()
+            raise
+
+    def _setup(self, resume: bool) -> None:
+        cfg = self.cfg
+        if resume:
+            self._open_existing_run()
+        elif self.run_dir.exists() and is_unstarted_run(self.run_dir):
+            raise FileExistsError(
+                f"run directory {self.run_dir} holds a run that stopped before its first checkpoint; resume it "
+                "(it starts again from step 0) or remove it"
+            )
+        else:
+            check_new_dir(self.run_dir, "run directory")
+        self.train_data = TokenData(cfg.data, "train")
+        self.val_data = TokenData(cfg.data, "val")
+        data_tok = self.train_data.manifest["tokenizer"]
+        self.data_record = {"path": str(Path(cfg.data).resolve()), "id": data_identity(self.train_data.manifest)}
+        self.tokenizer = self.train_data.tokenizer()
+        if resume:
+            run_tok = load_tokenizer(self.run_dir)
+            if run_tok.fingerprint() != data_tok["fingerprint"]:
+                raise InputError(
+                    f"the data in {cfg.data} was tokenised with {data_tok['fingerprint']}, but the run {self.run_dir} "
+                    f"uses {run_tok.fingerprint()}: resume with data prepared with the run's tokenizer"
+                )
+            self.model_config = ModelConfig.from_json(self.run_dir / MODEL_CONFIG)
+        elif cfg.init_from:
+            refuse_quantized(Path(cfg.init_from), "start a run from it")
+            self.model_config = ModelConfig.from_json(Path(cfg.init_from) / MODEL_CONFIG)
+            start_tok = load_tokenizer(cfg.init_from)
+            if start_tok.fingerprint() != data_tok["fingerprint"]:
+                raise InputError(
+                    f"the run {cfg.init_from} (init_from) uses the tokenizer {start_tok.fingerprint()}, the data in "
+                    f"{cfg.data} {data_tok['fingerprint']}: prepare the data with that run's tokenizer"
+                )
+        else:
+            self.model_config = cfg.model_config(data_tok["vocab_size"])
+        cfg.resolve_seq_len(self.model_config)
+        if cfg.batch_size % (cfg.grad_accum * self.world.size):
+            raise InputError(
+                f"batch_size {cfg.batch_size} does not split into grad_accum {cfg.grad_accum} x "
+                f"{self.world.size} processes"
+            )
+        self.sampler = WindowSampler(self.train_data, cfg.seq_len, cfg.batch_size, cfg.seed)
+        self.val_windows = eval_windows(self.val_data, cfg.seq_len, cfg.eval_tokens)
+        self.token_bytes = torch.from_numpy(self.tokenizer.token_bytes())
+        if self.world.is_main:
+            verify_data(cfg.data)
+        torch.manual_seed(cfg.seed)
+        with torch.device(self.world.device):
+            model = TransformerLM(self.model_config)
+        self.checkpoints = list_checkpoints(self.run_dir) if resume else []
+        if cfg.init_from and not self.checkpoints:
+            start = list_checkpoints(cfg.init_from)
+            if not start:
+                raise FileNotFoundError(f"init_from {cfg.init_from} has no checkpoint to start from")
+            tensors = load_model_tensors(start[-1])
+            check_weights(model, tensors, str(start[-1]), str(Path(cfg.init_from) / MODEL_CONFIG))
+            with own_layout():
+                model.load_state_dict(tensors, strict=True)
+        self.model = parallelize(model, cfg.parallel, self.world, cfg.compile, cfg.checkpoint_activations)
+        self.optimizer = make_optimizer(self.model, cfg)
+        self.amp = autocast_dtype(cfg, self.world.device)
+        self.step_idx = 0
+        self.progress = Progress(cfg.max_steps, enabled=self.world.is_main and not self.quiet)
+        if self.checkpoints:
+            self._load_newest()
+        elif resume:
+            self._note(f"{self.run_dir} has no checkpoint yet: the run starts again from step 0")
+            if self.world.is_main:
+                write_text_atomic(self.run_dir / METRICS, "")
+        if resume:
+            self._write_train_config()
+        else:
+            self._start_run_dir()
+
+    # run directory -------------------------------------------------------------------------------------------
+    def _start_run_dir(self) -> None:
+        if self.world.is_main:
+            try:
+                self.run_dir.mkdir(parents=True)
+                created = True
+            except FileExistsError:
+                created = False
+            self.lock = RunLock(self.run_dir)
+            self.created_dir = created
+            check_new_dir(self.run_dir, "run directory", allow=(LOCK,))  # again, now that no one else can write
+            self._write_train_config()
+            self.model_config.to_json(self.run_dir / MODEL_CONFIG)
+            self.tokenizer.save(self.run_dir)
+            (self.run_dir / METRICS).write_text("")
+
+    def _write_train_config(self) -> None:
+        """train_config.json as this run now trains (absolute paths, and what a resume changed)."""
+        if self.world.is_main:
+            saved = self.cfg.to_dict()
+            for name in ("data", "init_from"):
+                if saved[name] is not None:
+                    saved[name] = str(Path(saved[name]).resolve())
+            write_text_atomic(self.run_dir / TRAIN_CONFIG, json.dumps(saved, indent=2) + "\n")
+
+    def _open_existing_run(self) -> None:
+        """Lock the run, tidy what killed writes left, and find its data."""
+        if self.world.is_main:
+            self.lock = RunLock(self.run_dir)
+            for line in clean_stale(self.run_dir):
+                self._note(line)
+        barrier()
+        data = Path(self.cfg.data)
+        if not (data / "manifest.json").is_file():
+            raise ConfigError(
+                "TrainConfig",
+                "data",
+                f"{data} of the run {self.run_dir} is not there (moved or deleted?); give its new location with "
+                "`data` (data prepared with the run's tokenizer)",
+            )
+
+    def _load_newest(self) -> None:
+        model_sd, optim_sd, meta = load_checkpoint(self.checkpoints[-1])
+        check_weights(unwrap(self.model), model_sd, str(self.checkpoints[-1]), str(self.run_dir / MODEL_CONFIG))
+        with own_layout():
+            load_full_state(self.model, self.optimizer, model_sd, optim_sd)
+        self.step_idx = self.saved_step = meta["step"]
+        self.nonfinite_in_a_row = meta.get("nonfinite_in_a_row", 0)
+        torch.set_rng_state(torch.tensor(meta["rng_torch"], dtype=torch.uint8))
+        if self.step_idx > self.cfg.max_steps:
+            raise ConfigError(
+                "TrainConfig",
+                "max_steps",
+                f"{self.cfg.max_steps} is below the step the run {self.run_dir} has reached, {self.step_idx}; give a "
+                "larger one to train further",
+            )
+        recorded = meta.get("data", {}).get("id")
+        if recorded is not None and recorded != self.data_record["id"]:
+            self._note(
+                f"the data in {self.cfg.data} differs from the data step {self.step_idx} was trained on (prepared "
+                "again?); training goes on with it, so the run will differ from one that was never interrupted"
+            )
+        if self.world.is_main:  # drop metrics written after the checkpoint: they will be written again
+            metrics = self.run_dir / METRICS
+            rows = metrics.read_text(errors="replace").splitlines() if metrics.is_file() else []
+            steps = [(r, _step_of(r)) for r in rows if r.strip()]
+            if any(step is None for _, step in steps):
+                self._note(f"{metrics} has lines that are not metrics rows; they are dropped")
+            kept = "".join(r + "\n" for r, step in steps if step is not None and step <= self.step_idx)
+            write_text_atomic(metrics, kept)
+
+    def _remove_failed_start(self) -> None:
+        """A run that fails before its first checkpoint leaves nothing behind in a directory it created."""
+        if self.created_dir and self.saved_step is None and self.world.is_main:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+            self.created_dir = False
+
+    def close(self) -> None:
+        """Release the run directory (another trainer may then resume it)."""
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
+
+    def _note(self, text: str) -> None:
+        if self.world.is_main:
+            print(f"note: {text}", file=sys.stderr, flush=True)
+
+    def save(self) -> Path | None:
+        """Write a checkpoint of the current step (once per step); returns its directory on the main process."""
+        model_sd, optim_sd = full_state(self.model, self.optimizer)
+        path = None
+        if self.world.is_main:
+            meta = {
+                "data_position": self.step_idx,  # the next global batch index
+                "rng_torch": torch.get_rng_state().tolist(),
+                "nonfinite_in_a_row": self.nonfinite_in_a_row,
+                "model_config": self.model_config.to_dict(),
+                "train_config": self.cfg.to_dict(),
+                "data": self.data_record,
+            }
+            path = save_checkpoint(self.run_dir, self.step_idx, model_sd, optim_sd, meta, self.cfg.keep_last)
+        self.saved_step = self.step_idx
+        return path
+
+    def log(self, row: dict) -> None:
+        if self.world.is_main:
+            with open(self.run_dir / METRICS, "a") as f:
+                f.write(json.dumps(row) + "\n")
+
+    # training ------------------------------------------------------------------------------------------------
+    def train_step(self) -> dict:
+        """One optimizer step. A non-finite loss or gradient norm skips the update (the row says "skipped")."""
+        cfg, model, device = self.cfg, self.model, self.world.device
+        lr = lr_at(self.step_idx, cfg)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        total = torch.zeros((), device=device)
+        for micro in range(cfg.grad_accum):
+            part = self.world.rank * cfg.grad_accum + micro
+            x, y = self.sampler.batch(self.step_idx, part, self.world.size * cfg.grad_accum)
+            x, y = x.to(device), y.to(device)
+            sync = micro == cfg.grad_accum - 1
+            if hasattr(model, "set_requires_gradient_sync"):
+                model.set_requires_gradient_sync(sync)
+            with (
+                _no_sync(model, sync),
+                torch.autocast(device.type, dtype=self.amp or torch.float32, enabled=self.amp is not None),
+            ):
+                logits = model(x)
+                loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten()) / cfg.grad_accum
+                loss.backward()
+            total += loss.detach()
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip))
+        loss_value = float(all_reduce_mean(total))
+        row = {"loss": loss_value, "lr": lr, "grad_norm": grad_norm}
+        if math.isfinite(loss_value) and math.isfinite(grad_norm):
+            self.optimizer.step()
+        else:
+            row["skipped"] = "non-finite loss" if not math.isfinite(loss_value) else "non-finite gradient"
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step_idx += 1
+        return row
+
+    def validate(self) -> tuple[float, float]:
+        return evaluate(self.model, self.val_windows, self.token_bytes, self.world.device, self.amp)
+
+    def fit(self, until: int | None = None) -> list[dict]:
+        """Train to ``until`` (default max_steps), logging, validating and checkpointing on the configured
+        intervals; returns the logged rows. Raises TrainingDiverged or, after a checkpoint, Interrupted."""
+        try:
+            with StopSignals() as signals:
+                return self._fit(until, signals)
+        except BaseException as err:
+            if not isinstance(err, Interrupted):
+                self._remove_failed_start()
+            raise
+
+    def _fit(self, until: int | None, signals: StopSignals) -> list[dict]:
+        cfg = self.cfg
+        stop = cfg.max_steps if until is None else min(until, cfg.max_steps)
+        tokens_per_step = cfg.batch_size * cfg.seq_len
+        start, start_step, rows = time.perf_counter(), self.step_idx, []
+        while self.step_idx < stop:
+            row = self.train_step()
+            step = self.step_idx
+            elapsed = time.perf_counter() - start
+            speed = (step - start_step) * tokens_per_step / elapsed
+            row.update(step=step, tokens=step * tokens_per_step, tokens_per_s=round(speed, 1))
+            if (lams := layer_lambdas(self.model)) is not None:
+                row["lambda"] = lams
+            self._guard(row)
+            if step % cfg.eval_interval == 0 or step == cfg.max_steps:
+                row["val_loss"], row["val_bpb"] = self.validate()
+            if step % cfg.log_interval == 0 or "val_loss" in row or "skipped" in row:
+                self.log(row)
+                rows.append(row)
+                left = (cfg.max_steps - step) * elapsed / (step - start_step)
+                self.progress.update(step, row["loss"], speed, left)
+            if step % cfg.ckpt_interval == 0 or step == cfg.max_steps:
+                self.save()
+            signum = int(all_reduce_max(torch.tensor(signals.received or 0)))
+            if signum:
+                self.progress.close()
+                path = self.save() if self.saved_step != step else list_checkpoints(self.run_dir)[-1]
+                raise Interrupted(signum, f"stopped by {signals.name(signum)} at step {step}; checkpoint {path}")
+        if self.step_idx == cfg.max_steps:
+            self.progress.close()
+        return rows
+
+    def _guard(self, row: dict) -> None:
+        """Count skipped steps in a row; stop the run when there are max_nonfinite_steps of them."""
+        if "skipped" not in row:
+            self.nonfinite_in_a_row = 0
+            return
+        self.nonfinite_in_a_row += 1
+        limit = self.cfg.max_nonfinite_steps
+        self._note(
+            f"step {row['step']}: {row['skipped']} (loss {row['loss']}, gradient norm {row['grad_norm']}): the update "
+            f"was skipped ({self.nonfinite_in_a_row} in a row; the run stops at {limit})"
+        )
+        if self.nonfinite_in_a_row >= limit:
+            last = f"step {self.saved_step}" if self.saved_step is not None else "none was written"
+            raise TrainingDiverged(
+                f"{limit} steps in a row (to step {row['step']}) had a non-finite loss or gradient: the run stopped "
+                f"without saving; its last checkpoint ({last}) is intact. Lower the learning rate (a new run with "
+                "init_from) or check the data"
+            )
+
+
+def _step_of(row: str) -> int | None:
+    """The step of a metrics.jsonl line (None for a line that is not a metrics row)."""
+    try:
+        step = json.loads(row).get("step")
+    except (json.JSONDecodeError, AttributeError):
+        return None
+    return step if isinstance(step, int) else None
+
+
+class _no_sync:
+    """DDP's no_sync() for accumulation micro-steps; nothing for other models."""
+
+    def __init__(self, model, sync: bool) -> None:
+        self.ctx = model.no_sync() if not sync and hasattr(model, "no_sync") else None
+
+    def __enter__(self):
+        return self.ctx.__enter__() if self.ctx else None
+
+    def __exit__(self, *exc):
+        return self.ctx.__exit__(*exc) if self.ctx else False
+
+
+def train(cfg: TrainConfig, resume: bool = False, quiet: bool = False) -> list[dict]:
+    """Train (or resume) the run ``cfg`` describes to its end; returns the logged rows."""
+    trainer = Trainer(cfg, resume=resume, quiet=quiet)
+    try:
+        return trainer.fit()
+    finally:
+        trainer.close()

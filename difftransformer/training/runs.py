@@ -1,0 +1,169 @@
+"""Run directories: their layout, a lock against two trainers in one run, and loading a trained model.
+
+A run directory is self-contained and can be copied or moved: it holds the model config, the training config
+(with the data directory as an absolute path, checked at resume), the tokenizer, the metrics and the
+checkpoints. Nothing in it names the directory itself, so a copy resumes into the copy.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+from pathlib import Path
+
+import torch
+
+from difftransformer.core.attention.diff import own_layout
+from difftransformer.core.config import ModelConfig
+from difftransformer.core.model import TransformerLM
+from difftransformer.core.quantized import SCHEMES, quantized_shell
+from difftransformer.errors import InputError
+from difftransformer.fsutil import read_json_object, write_new_dir
+from difftransformer.training.checkpoint import list_checkpoints, load_model_tensors, save_checkpoint
+from difftransformer.training.data import TokenData, eval_windows
+from difftransformer.training.tokenizer import Tokenizer, load_tokenizer
+
+MODEL_CONFIG = "model_config.json"
+TRAIN_CONFIG = "train_config.json"
+METRICS = "metrics.jsonl"
+LOCK = ".lock"
+QUANTIZATION = "quantization.json"
+
+
+class RunLock:
+    """An exclusive lock on a run directory while a trainer writes into it (released when the process ends)."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.path = run_dir / LOCK
+        self._file = open(self.path, "a+")
+        try:
+            fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._file.seek(0)
+            holder = self._file.read().strip() or "unknown"
+            self._file.close()
+            raise InputError(
+                f"run {run_dir} is being written by another process (pid {holder}); wait for it to finish or stop it"
+            ) from None
+        self._file.seek(0)
+        self._file.truncate()
+        self._file.write(str(os.getpid()))
+        self._file.flush()
+
+    def release(self) -> None:
+        if not self._file.closed:
+            fcntl.flock(self._file, fcntl.LOCK_UN)
+            self._file.close()
+
+
+def is_unstarted_run(path: Path) -> bool:
+    """A run directory that a trainer created but that holds no checkpoint yet (it stopped before its first)."""
+    return (path / TRAIN_CONFIG).is_file() and not list_checkpoints(path)
+
+
+def check_weights(model: torch.nn.Module, tensors: dict[str, torch.Tensor], source: str, config: str) -> None:
+    """Refuse weights whose names or shapes differ from the model's, naming the first difference."""
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    for name, shape in expected.items():
+        if name not in tensors:
+            raise InputError(f"{source} does not match {config}: it has no {name}")
+        if tuple(tensors[name].shape) != shape:
+            raise InputError(
+                f"{source} does not match {config}: {name} has shape {tuple(tensors[name].shape)}, the config needs "
+                f"{shape}"
+            )
+    extra = sorted(set(tensors) - set(expected))
+    if extra:
+        raise InputError(f"{source} does not match {config}: unexpected {extra[0]}")
+
+
+def save_run(model: TransformerLM, tokenizer: Tokenizer, out_dir: str | Path, meta: dict) -> Path:
+    """A new run directory holding ``model`` (a step-0 checkpoint, no optimizer state) and ``tokenizer``."""
+
+    def write(tmp: Path) -> None:
+        model.config.to_json(tmp / MODEL_CONFIG)
+        tokenizer.save(tmp)
+        meta_all = {**meta, "model_config": model.config.to_dict()}
+        save_checkpoint(tmp, 0, model.state_dict(), {"state": {}, "param_groups": []}, meta_all, keep_last=1)
+
+    write_new_dir(out_dir, "output directory", write)
+    return Path(out_dir)
+
+
+def load_run(run_dir: str | Path, device: str | torch.device = "cpu") -> tuple[TransformerLM, Tokenizer]:
+    """(model in eval mode with the newest checkpoint's weights, tokenizer) of a run directory (a quantized run's
+    model has QuantizedLinear layers)."""
+    run = Path(run_dir)
+    if not run.is_dir():
+        raise FileNotFoundError(f"run directory {run} does not exist")
+    if not (run / MODEL_CONFIG).is_file():
+        raise FileNotFoundError(f"{run} is not a run directory: {MODEL_CONFIG} is missing")
+    config = ModelConfig.from_json(run / MODEL_CONFIG)
+    checkpoints = list_checkpoints(run)
+    if not checkpoints:
+        raise FileNotFoundError(f"{run} has no checkpoint (checkpoints/step_*/model.safetensors)")
+    tensors = load_model_tensors(checkpoints[-1])
+    quantization = read_quantization(run)
+    with torch.device("meta"):
+        model = TransformerLM(config)
+        if quantization is not None:  # integer weights (difftx quantize), dequantized on first use
+            quantized_shell(model, quantization["scheme"])
+    check_weights(model, tensors, str(checkpoints[-1] / "model.safetensors"), str(run / MODEL_CONFIG))
+    with own_layout():
+        model.load_state_dict(tensors, strict=True, assign=True)
+    if config.tie_embeddings:
+        model.lm_head.weight = model.embed.weight
+    return model.to(device).eval(), load_tokenizer(run)
+
+
+def run_windows(
+    run: str | Path,
+    tokenizer: Tokenizer,
+    split: str,
+    tokens: int | None = None,
+    windows: int | None = None,
+    data: str | Path | None = None,
+) -> tuple[torch.Tensor, Path]:
+    """(evenly spaced windows of the run's training length + 1 from ``split`` of its data, about ``tokens`` tokens
+    or ``windows`` windows; the data directory): the data the run was trained on, or ``data``, which must use the
+    run's tokenizer."""
+    run = Path(run)
+    train_config = read_json_object(run / TRAIN_CONFIG) if (run / TRAIN_CONFIG).is_file() else {}
+    source = data if data is not None else train_config.get("data")
+    if source is None:
+        raise InputError(f"{run} does not say which data it was trained on (no {TRAIN_CONFIG}): name its data")
+    data_dir = Path(source)
+    if not data_dir.is_dir():
+        raise FileNotFoundError(
+            f"the data directory {data_dir} of {run} does not exist (moved or removed): name the data directory "
+            "prepared with the run's tokenizer"
+        )
+    token_data = TokenData(data_dir, split)
+    expected = token_data.manifest["tokenizer"]["fingerprint"]
+    if tokenizer.fingerprint() != expected:
+        raise InputError(
+            f"{data_dir} was tokenised with {expected}, but {run} uses {tokenizer.fingerprint()}: name data prepared "
+            "with the run's tokenizer"
+        )
+    seq_len = int(train_config.get("seq_len") or 256)
+    return eval_windows(token_data, seq_len, tokens if tokens is not None else windows * seq_len), data_dir
+
+
+def read_quantization(run: Path) -> dict | None:
+    """A quantized run's quantization.json (checked), or None for a float run."""
+    path = run / QUANTIZATION
+    if not path.is_file():
+        return None
+    spec = read_json_object(path)
+    if spec.get("scheme") not in SCHEMES:
+        raise InputError(f"{path} names an unknown scheme {spec.get('scheme')!r}; it must be one of {list(SCHEMES)}")
+    return spec
+
+
+def refuse_quantized(run: Path, action: str) -> None:
+    """A clear error when ``run`` is a quantized run and ``action`` needs float weights."""
+    spec = read_quantization(run) if run.is_dir() else None
+    if spec is not None:
+        raise InputError(
+            f"{run} is a quantized run ({spec['scheme']}), which cannot {action}; use its float source {spec['source']}"
+        )
