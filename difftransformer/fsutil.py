@@ -45,19 +45,29 @@ def read_json_object(path: str | Path) -> dict[str, Any]:
     return parse_json_object(read_text(path), str(path))
 
 
-def write_text_atomic(path: str | Path, text: str) -> None:
-    """Replace ``path`` with ``text`` in one rename: a crash leaves the old file or the new one, never half."""
+def write_atomic(path: str | Path, write: Callable[[Path], object]) -> None:
+    """Write ``path`` through ``write(tmp)`` on a temporary sibling (same suffix), synced, then renamed into place
+    in one step: a crash leaves the old file or the new one, never half of one."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}{path.suffix}")
     try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
+        write(tmp)
+        with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def write_text_atomic(path: str | Path, text: str) -> None:
+    """Replace ``path`` with ``text`` (UTF-8) atomically (see write_atomic)."""
+    write_atomic(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+
+
+def write_json(path: str | Path, data: object, indent: int = 1) -> None:
+    """Replace ``path`` with ``data`` as indented JSON atomically."""
+    write_text_atomic(path, json.dumps(data, indent=indent) + "\n")
 
 
 def check_new_dir(path: Path, what: str, allow: tuple[str, ...] = ()) -> None:

@@ -8,13 +8,13 @@ map. Inputs are a run directory (``difftx train``; the prompt is UTF-8 text for 
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
 
 from difftransformer.apps.analysis import attention_maps
 from difftransformer.errors import InputError
+from difftransformer.fsutil import write_atomic
 
 MAX_LABELLED = 48  # positions up to which the axes are labelled with the tokens
 
@@ -71,12 +71,7 @@ def analyze_attention(run: str | Path, prompt_file: str | Path, out: str | Path,
         raise InputError(f"--layer {layer} is out of range: the model has {n_layers} layers")
     maps = attention_maps(model, tokens, both=True)[layer]
     figure = _figure(maps, labels, layer % n_layers, model.config.attention)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}.png")
-    try:
-        figure.savefig(tmp, dpi=100)
-        tmp.rename(out)
-    finally:
-        tmp.unlink(missing_ok=True)
+    write_atomic(out, lambda tmp: figure.savefig(tmp, dpi=100))
     return out
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import platform
 import statistics
 import time
@@ -473,7 +472,3 @@ def format_quantized(result: dict) -> str:
         t = row["tokens_per_s"]
         lines.append(f"| {row['context']} | {t['float']:.1f} | {t[scheme]:.1f} | {t[scheme] / t['float']:.2f} |")
     return "\n".join(lines)
-
-
-def write_json(result: dict, path: str | Path) -> None:
-    Path(path).write_text(json.dumps(result, indent=2) + "\n")

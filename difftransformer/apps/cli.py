@@ -76,7 +76,9 @@ def _bench(args: argparse.Namespace) -> int:
     finally:
         torch.set_num_threads(threads)
     if args.json:
-        bench.write_json(result, args.json)
+        from difftransformer.fsutil import write_json
+
+        write_json(args.json, result, indent=2)
     return 0
 
 

@@ -26,6 +26,7 @@ from difftransformer.apps.repro import needle, report
 from difftransformer.apps.repro.fit import find_models, load_model, run_pairs, save_models, scaled_spec
 from difftransformer.apps.repro.tasks import MARK
 from difftransformer.errors import InputError
+from difftransformer.fsutil import write_json
 
 TASK = "allocation"
 PAPER = {  # PAPER.md section 3: answer share by depth 0/25/50/75/100%; noise only as a range over depths
@@ -112,7 +113,7 @@ def run(
         "paper": PAPER,
         "evals": evals,
     }
-    report.write_json(out / "results.json", result)
+    write_json(out / "results.json", result)
     _plot(result, out)
     _plot_rows(result, found, spec.seq_len, out)
     (out / "section.md").write_text(markdown(result))

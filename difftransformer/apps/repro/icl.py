@@ -26,6 +26,7 @@ from difftransformer.apps.repro.tasks import (
     icl_episodes,
 )
 from difftransformer.errors import InputError
+from difftransformer.fsutil import write_json
 
 TASK = "icl"
 SCALES = {
@@ -124,7 +125,7 @@ def run(
             "paper": PAPER,
         }
     )
-    report.write_json(out / "results.json", result)
+    write_json(out / "results.json", result)
     _plot(result, out)
     report.plot_curves(result["runs"], out / f"{TASK}_curves.png", f"accuracy, C={CURVE_CLASSES}")
     (out / "section.md").write_text(markdown(result))

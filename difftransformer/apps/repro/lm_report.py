@@ -25,7 +25,7 @@ from difftransformer.apps.repro.lm import (
     sweep_runs,
 )
 from difftransformer.apps.repro.scaling import fit_power_law, fraction_needed, t_interval
-from difftransformer.fsutil import read_json_object
+from difftransformer.fsutil import read_json_object, write_json
 
 PAPER = {
     "parameter_fraction": 0.622,  # 6.8B DIFF matches an 11B Transformer (Figure 3a)
@@ -212,7 +212,7 @@ def write(out: Path, scale: Scale, seeds: list[int], measures: dict[str, dict]) 
     result = analyse(scale, seeds, measures)
     timings = out / TIMINGS
     result["minutes"] = {k: v / 60 for k, v in read_json_object(timings).items()} if timings.is_file() else {}
-    report.write_json(out / "results.json", result)
+    write_json(out / "results.json", result)
     if "grid" in result:
         _plot_scaling(result, scale, out)
         _plot_positions(result, out)

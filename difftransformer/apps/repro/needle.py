@@ -11,6 +11,7 @@ import torch
 from difftransformer.apps.repro import report
 from difftransformer.apps.repro.fit import FitSpec, final_evaluation, fit, model_from, scaled_spec, train_pairs
 from difftransformer.apps.repro.tasks import NeedleBatch, needle_batch
+from difftransformer.fsutil import write_json
 
 TASK = "needle"
 SCALES = {
@@ -101,7 +102,7 @@ def run(
             "paper": {"nr": PAPER_NR},
         }
     )
-    report.write_json(out / "results.json", result)
+    write_json(out / "results.json", result)
     _plots(result, out)
     (out / "section.md").write_text(markdown(result))
     return result

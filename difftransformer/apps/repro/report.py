@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import statistics
 from pathlib import Path
 
@@ -29,10 +28,6 @@ def mean_std(xs: list[float], digits: int = 2) -> str:
 def mean_grid(grids: list[list[list[float]]]) -> list[list[float]]:
     """Elementwise mean of equally shaped nested lists (one per seed)."""
     return [[mean([g[i][j] for g in grids]) for j in range(len(grids[0][i]))] for i in range(len(grids[0]))]
-
-
-def write_json(path: Path, result: dict) -> None:
-    path.write_text(json.dumps(result, indent=1) + "\n")
 
 
 def curve_table(runs: list[dict], measure: str) -> str:
