@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from difftransformer import ModelConfig, count_parameters
+from difftransformer import ModelConfig, TransformerLM, count_parameters
 from difftransformer.core.config import PRESETS
 
 
@@ -72,6 +72,8 @@ def test_json_round_trip(tmp_path):
         (dict(rope_scaling={"rope_type": "linear"}), r"needs exactly the keys \['factor'\]"),
         (dict(tie_embeddings=1), "tie_embeddings must be true or false, got 1"),
         (dict(attn_impl="flash"), "attn_impl must be one of"),
+        (dict(attention="standard", attn_impl="block"), "attn_impl chooses among the methods of 'diff' attention"),
+        (dict(attention="diff_v2", attn_impl="sdpa"), "'diff_v2' has one method, so leave it 'auto'"),
         (dict(bogus=1), "ModelConfig.bogus is not a ModelConfig field; known: vocab_size"),
     ],
 )
@@ -88,3 +90,20 @@ def test_unknown_preset_and_bad_json(tmp_path):
     (tmp_path / "bad.json").write_text("{not json")
     with pytest.raises(ValueError, match="not valid JSON"):
         ModelConfig.from_json(tmp_path / "bad.json")
+
+
+@pytest.mark.parametrize(
+    "overrides, heads, kv_heads, head_dim",
+    [
+        (dict(), 4, 4, 16),  # tiny: 8 standard heads of 16 -> 4 differential heads, half-heads of 16
+        (dict(n_kv_heads=2), 4, 1, 16),
+        (dict(diff_heads="all"), 8, 8, 8),
+        (dict(attention="standard", n_kv_heads=2), 8, 2, 16),
+        (dict(attention="diff_v2"), 8, 8, 16),
+    ],
+)
+def test_the_config_owns_the_attention_shape(overrides, heads, kv_heads, head_dim):
+    cfg = ModelConfig.preset("tiny", **overrides)
+    assert (cfg.attention_heads, cfg.attention_kv_heads, cfg.attention_head_dim) == (heads, kv_heads, head_dim)
+    attn = TransformerLM(cfg).layers[0].attn
+    assert (attn.num_heads, attn.num_kv_heads, attn.head_dim) == (heads, kv_heads, head_dim)

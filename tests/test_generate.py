@@ -15,9 +15,11 @@ def tiny(attention="diff", **kw):
     return TransformerLM(ModelConfig.preset("tiny", attention=attention, n_layers=3, **kw)).eval()
 
 
-@pytest.mark.parametrize("attention", ["diff", "diff_v2", "standard"])
+@pytest.mark.parametrize(
+    "attention, impl",
+    [("diff", "auto"), ("diff", "block"), ("diff", "sdpa"), ("diff_v2", "auto"), ("standard", "auto")],
+)
 @pytest.mark.parametrize("n_kv_heads", [8, 2])
-@pytest.mark.parametrize("impl", ["auto", "block", "sdpa"])
 def test_cached_decoding_equals_full_forward(attention, n_kv_heads, impl):
     model = tiny(attention, n_kv_heads=n_kv_heads, attn_impl=impl)
     tokens = torch.randint(0, 256, (2, 40))

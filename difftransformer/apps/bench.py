@@ -399,7 +399,7 @@ def bench_decode(contexts: list[int], preset: str = "small", tokens: int = 32, r
             d_model=cfg.d_model,
             n_layers=cfg.n_layers,
             standard_heads=cfg.n_heads,
-            diff_heads=cfg.n_heads // 2,
+            diff_heads=cfg.attention_heads,
             head_dim=cfg.head_dim,
             new_tokens=tokens,
         ),

@@ -30,7 +30,7 @@ def _presets(args: argparse.Namespace) -> int:
         n_diff = count_parameters(cfg)
         n_std = count_parameters(ModelConfig.preset(name, attention="standard"))
         print(
-            f"{name:>8} {cfg.d_model:>7} {cfg.n_layers:>6} {cfg.n_heads:>5} {cfg.n_heads // 2:>10} "
+            f"{name:>8} {cfg.d_model:>7} {cfg.n_layers:>6} {cfg.n_heads:>5} {cfg.attention_heads:>10} "
             f"{n_diff:>15,} {n_std:>15,}"
         )
     return 0

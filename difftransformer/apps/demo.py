@@ -92,7 +92,7 @@ def run_demo(
     diff, std = (trainers[k].model for k in KINDS)
     n_diff, n_std = diff.num_parameters(), std.num_parameters()
     print(
-        f"tiny DIFF: {n_diff:,} parameters ({diff.config.n_heads // 2} differential heads); tiny standard: "
+        f"tiny DIFF: {n_diff:,} parameters ({diff.config.attention_heads} differential heads); tiny standard: "
         f"{n_std:,} ({std.config.n_heads} heads); difference {n_diff - n_std:+,} = 6 * head size per layer"
     )
     print("lambda_init per layer:", " ".join(f"{b.attn.lambda_init:.3f}" for b in diff.layers))

@@ -9,13 +9,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from difftransformer.core.attention.kernels import DIFF_IMPLS
 from difftransformer.core.rotary import rope_scaling_problem
 from difftransformer.errors import ConfigError, Fields, InputError
 from difftransformer.fsutil import parse_json_object, read_text
 
 ATTENTION_KINDS = ("diff", "diff_v2", "standard")
 DIFF_HEADS = ("half", "all")
+# Exact methods of differential attention V1 (difftransformer.core.attention.kernels says what each does).
+DIFF_IMPLS = ("auto", "sdpa", "block", "plain", "triton")
 FFN_MULTIPLE = 64
 
 
@@ -91,6 +92,11 @@ class ModelConfig:
         check.number("dropout", 0, 1, high_open=True)
         check.choice("attention", ATTENTION_KINDS)
         check.choice("attn_impl", DIFF_IMPLS)
+        if self.attn_impl != "auto" and self.attention != "diff":
+            check.fail(
+                "attn_impl",
+                f"chooses among the methods of 'diff' attention; {self.attention!r} has one method, so leave it 'auto'",
+            )
         check.boolean("tie_embeddings")
         self._validate_ablations(check)
         if self.d_model % self.n_heads:
@@ -140,10 +146,26 @@ class ModelConfig:
         return self.d_model // self.n_heads
 
     @property
+    def attention_heads(self) -> int:
+        """Heads of the attention module as built: n_heads // 2 differential heads for 'diff' (n_heads with
+        diff_heads='all'), n_heads for 'standard' and 'diff_v2'."""
+        return self.n_heads // 2 if self._halves_heads else self.n_heads
+
+    @property
+    def attention_kv_heads(self) -> int:
+        """Key/value heads of the attention module as built (halved with the heads for 'diff')."""
+        return self.n_kv_heads // 2 if self._halves_heads else self.n_kv_heads
+
+    @property
     def attention_head_dim(self) -> int:
-        """The size of one query/key head as the attention uses it (half of head_dim with diff_heads='all')."""
+        """The size of one query/key head as the attention uses it: head_dim, or half of it with diff_heads='all'
+        (each 'diff' head has two query/key halves of this size and a value of twice it)."""
         split = self.attention == "diff" and self.diff_heads == "all"
         return self.head_dim // 2 if split else self.head_dim
+
+    @property
+    def _halves_heads(self) -> bool:
+        return self.attention == "diff" and self.diff_heads == "half"
 
     @property
     def is_ablation(self) -> bool:

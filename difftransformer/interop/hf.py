@@ -265,16 +265,17 @@ def diff_from_standard(base: TransformerLM, lambda_start: float = -1.0) -> Trans
             f"heads, got {cfg.attention} with {cfg.n_heads} and {cfg.n_kv_heads}"
         )
     diff = TransformerLM(ModelConfig.from_dict({**cfg.to_dict(), "attention": "diff"}))
-    d, rep = cfg.head_dim, cfg.n_heads // cfg.n_kv_heads
+    groups, d = diff.config.attention_kv_heads, cfg.head_dim
+    rep = diff.config.attention_heads // groups
     sd = {k: v for k, v in base.state_dict().items() if ".attn." not in k}
     small = math.sqrt(0.01 / d)  # lambda_q1 . lambda_k1 = 0.01, small but trainable
     for i, (src, dst) in enumerate(zip(base.layers, diff.layers, strict=True)):
         a, p = src.attn, f"layers.{i}.attn."
-        q = a.q_proj.weight.view(cfg.n_kv_heads // 2, 2, rep, d, -1)  # (group, component, r, d, D)
+        q = a.q_proj.weight.view(groups, 2, rep, d, -1)  # (group, component, r, d, D)
         sd[p + "q_proj.weight"] = q.transpose(1, 2).reshape(-1, cfg.d_model)  # rows (g, r, component, d)
         sd[p + "k_proj.weight"] = a.k_proj.weight  # kv head 2g + c is component c of group g
         sd[p + "v_proj.weight"] = a.v_proj.weight  # group g's value: heads 2g and 2g + 1
-        out = a.out_proj.weight.view(cfg.d_model, cfg.n_kv_heads // 2, 2, rep, d)
+        out = a.out_proj.weight.view(cfg.d_model, groups, 2, rep, d)
         sd[p + "out_proj.weight"] = out.transpose(2, 3).reshape(cfg.d_model, -1)
         lambda_init = dst.attn.lambda_init
         second = math.sqrt(max(math.log(math.exp(0.01) + lambda_init - lambda_start), 1e-6) / d)

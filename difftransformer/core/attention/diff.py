@@ -31,12 +31,12 @@ from torch import nn
 
 from difftransformer.core.attention.common import AttentionBase, KVStore, expand_mask, rotary_of
 from difftransformer.core.attention.kernels import (
-    DIFF_IMPLS,
     attention_probs,
     diff_attention,
     diff_attention_plain,
     softmax_dtype,
 )
+from difftransformer.core.config import DIFF_IMPLS, ModelConfig
 from difftransformer.core.layers import RMSNorm
 from difftransformer.core.rotary import apply_rotary
 from difftransformer.errors import InputError
@@ -108,21 +108,20 @@ class MultiheadDiffAttn(AttentionBase):
         self.reset_lambda()
 
     @classmethod
-    def from_config(cls, cfg, layer_idx: int) -> MultiheadDiffAttn:
+    def from_config(cls, cfg: ModelConfig, layer_idx: int) -> MultiheadDiffAttn:
         """The matched pair (PAPER.md section 2): half the standard heads and groups, same head size (with
         ``diff_heads="all"``: as many heads and groups as the standard model, of half its head size)."""
-        split = 1 if cfg.diff_heads == "all" else 2
-        half_heads = dict(num_heads=cfg.n_heads // split, num_kv_heads=cfg.n_kv_heads // split)
         return cls(
             cfg.d_model,
-            layer_idx=layer_idx,
+            cfg.attention_heads,
+            layer_idx,
+            cfg.attention_kv_heads,
             rope_theta=cfg.rope_theta,
             rope_scaling=cfg.rope_scaling,
             norm_eps=cfg.norm_eps,
             impl=cfg.attn_impl,
             head_norm=cfg.head_norm is not False,
             lambda_init=cfg.lambda_init,
-            **half_heads,
         )
 
     def reset_lambda(self, generator: torch.Generator | None = None) -> None:

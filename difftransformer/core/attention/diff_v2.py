@@ -16,6 +16,7 @@ from torch import nn
 
 from difftransformer.core.attention.common import AttentionBase, KVStore, expand_mask, project_heads, rotary_of
 from difftransformer.core.attention.kernels import softmax_dtype, standard_attention
+from difftransformer.core.config import ModelConfig
 
 
 class MultiheadDiffAttnV2(AttentionBase):
@@ -41,8 +42,15 @@ class MultiheadDiffAttnV2(AttentionBase):
         self.lambda_proj = nn.Linear(embed_dim, num_heads, bias=False)
 
     @classmethod
-    def from_config(cls, cfg, layer_idx: int) -> MultiheadDiffAttnV2:
-        return cls(cfg.d_model, cfg.n_heads, layer_idx, cfg.n_kv_heads, cfg.rope_theta, rope_scaling=cfg.rope_scaling)
+    def from_config(cls, cfg: ModelConfig, layer_idx: int) -> MultiheadDiffAttnV2:
+        return cls(
+            cfg.d_model,
+            cfg.attention_heads,
+            layer_idx,
+            cfg.attention_kv_heads,
+            cfg.rope_theta,
+            rope_scaling=cfg.rope_scaling,
+        )
 
     def lambda_full(self, x: torch.Tensor) -> torch.Tensor:
         """Per-token, per-head lambda in float32: (B, H, T, 1)."""

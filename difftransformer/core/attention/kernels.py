@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from difftransformer.core.attention.logits import active_probe
+from difftransformer.core.config import DIFF_IMPLS
 from difftransformer.errors import InputError
 
 MASK_VALUE = torch.finfo(torch.float32).min
@@ -58,7 +59,6 @@ BLOCK_MIN_ROWS = 128
 # Without gradients and with at most this many query rows (decoding from a KV cache), ``auto`` computes full
 # rows directly: each group's keys and its 2d-wide values are read once per token for both maps.
 DECODE_ROWS = 16
-DIFF_IMPLS = ("auto", "sdpa", "block", "plain", "triton")
 
 
 def attention_probs(

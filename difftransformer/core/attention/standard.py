@@ -11,6 +11,7 @@ from torch import nn
 
 from difftransformer.core.attention.common import AttentionBase, KVStore, expand_mask, project_heads, rotary_of
 from difftransformer.core.attention.kernels import standard_attention
+from difftransformer.core.config import ModelConfig
 from difftransformer.core.layers import RMSNorm
 
 
@@ -41,12 +42,12 @@ class MultiheadAttention(AttentionBase):
         self.subln = RMSNorm(d, eps=norm_eps) if head_norm else None
 
     @classmethod
-    def from_config(cls, cfg, layer_idx: int) -> MultiheadAttention:
+    def from_config(cls, cfg: ModelConfig, layer_idx: int) -> MultiheadAttention:
         return cls(
             cfg.d_model,
-            cfg.n_heads,
+            cfg.attention_heads,
             layer_idx,
-            cfg.n_kv_heads,
+            cfg.attention_kv_heads,
             cfg.rope_theta,
             rope_scaling=cfg.rope_scaling,
             head_norm=bool(cfg.head_norm),
