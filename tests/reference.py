@@ -1,4 +1,4 @@
-"""Independent plain implementations of PAPER.md sections 1 and 5, for the parity tests.
+"""Independent plain implementations of docs/paper.md sections 1 and 5, for the parity tests.
 
 Written from the equations with explicit loops over heads and float64 arithmetic; they share no code
 with the package. Parameters are given as a dict named like the reference code's state_dict.
@@ -50,7 +50,7 @@ def diff_attn_v1(
     keep: torch.Tensor | None = None,
     eps: float = 1e-5,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """PAPER.md section 1. Returns (output (B, T, D), differential maps (B, H, T, T))."""
+    """docs/paper.md section 1. Returns (output (B, T, D), differential maps (B, H, T, T))."""
     b, t, dim = x.shape
     h_n, g_n = num_heads, num_kv_heads
     d = dim // h_n // 2
@@ -86,7 +86,7 @@ def diff_attn_v2(
     num_kv_heads: int,
     rope_theta: float | None = 10000.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """PAPER.md section 5, causal. Returns (output (B, T, D), differential maps (B, H, T, T))."""
+    """docs/paper.md section 5, causal. Returns (output (B, T, D), differential maps (B, H, T, T))."""
     b, t, dim = x.shape
     d = dim // num_heads
     q = (x @ params["q_proj.weight"].T).view(b, t, 2 * num_heads, d)

@@ -9,7 +9,7 @@ from difftransformer.core.config import PRESETS
 
 
 def expected_count(cfg: ModelConfig, attention: str) -> int:
-    """Parameter count from the architecture's formula (PAPER.md sections 1, 2 and 5), not from the code."""
+    """Parameter count from the architecture's formula (docs/paper.md sections 1, 2 and 5), not from the code."""
     dim, d, layers = cfg.d_model, cfg.head_dim, cfg.n_layers
     kv = cfg.n_kv_heads * d
     attn = dim * dim + 2 * dim * kv + dim * dim  # q, k, v, out

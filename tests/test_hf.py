@@ -1,6 +1,6 @@
 """Parity with Hugging Face transformers (pinned in requirements-dev.txt: transformers 5.24.0).
 
-DiffLlama is an independent implementation of the same function with another layout (PAPER.md section 1):
+DiffLlama is an independent implementation of the same function with another layout (docs/paper.md section 1):
 the converter's permutation and weight folding are checked by comparing logits, both directions.
 """
 

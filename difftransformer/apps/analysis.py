@@ -1,4 +1,4 @@
-"""Attention maps of a model and the attention-allocation metric (PAPER.md section 3: attention to the answer span
+"""Attention maps of a model and the attention-allocation metric (docs/paper.md section 3: attention to the answer span
 against attention noise).
 
 ``attention_maps`` runs a forward pass and returns, per layer, the map that mixes the values: the differential map

@@ -176,7 +176,7 @@ def _forward_backward(module: torch.nn.Module, x: torch.Tensor) -> None:
 def _core_inputs(batch, heads, head_dim, t, device, dtype) -> dict:
     """Inputs of the attention core alone (no projections, rotary or norm): the standard model's ``heads`` heads of
     ``head_dim`` vs DIFF's heads/2 heads whose query/key halves are head_dim wide and values 2 head_dim (the matched
-    layout of PAPER.md section 1: the same projection widths)."""
+    layout of docs/paper.md section 1: the same projection widths)."""
     d = head_dim
 
     def rand(*shape):

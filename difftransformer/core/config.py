@@ -32,7 +32,7 @@ class ModelConfig:
     ``n_heads`` and ``n_kv_heads`` count the heads of the matched *standard* Transformer: with
     ``attention="diff"`` the model uses ``n_heads // 2`` differential heads and ``n_kv_heads // 2`` key/value
     groups of the same head size ``d_model // n_heads``, so flipping ``attention`` gives the paper's matched
-    pair (PAPER.md section 2). ``diff_v2`` keeps ``n_heads`` output heads and doubles the query heads.
+    pair (docs/paper.md section 2). ``diff_v2`` keeps ``n_heads`` output heads and doubles the query heads.
 
     Three options change the attention for the paper's ablations (Table 6) and leave everything else as it is:
     ``head_norm`` (the per-head RMSNorm: None is each kind's own choice, on for ``diff``, off for ``standard`` and
@@ -214,7 +214,7 @@ class ModelConfig:
             raise InputError(f"{where}: {err}") from None
 
 
-# The paper's sizes (PAPER.md section 2) tie the input and output embeddings: counted so, the parameter
+# The paper's sizes (docs/paper.md section 2) tie the input and output embeddings: counted so, the parameter
 # counts reproduce the size names (the paper does not say whether it tied them). The scaling models'
 # vocabulary is taken to be the 3B model's cl100k (100,288), which the paper states only for the 3B model.
 _PAPER = dict(vocab_size=100288, max_seq_len=2048, tie_embeddings=True)

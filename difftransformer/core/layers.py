@@ -35,7 +35,7 @@ class RMSNorm(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    """``down_proj(silu(gate_proj(x)) * up_proj(x))``, no biases (PAPER.md section 2)."""
+    """``down_proj(silu(gate_proj(x)) * up_proj(x))``, no biases (docs/paper.md section 2)."""
 
     def __init__(self, dim: int, hidden_dim: int) -> None:
         super().__init__()

@@ -1,4 +1,4 @@
-"""TransformerLM: a LLaMA-style pre-norm decoder around any of the attention variants (PAPER.md section 2).
+"""TransformerLM: a LLaMA-style pre-norm decoder around any of the attention variants (docs/paper.md section 2).
 
 Weight initialisation (deliberate, see ``reset_parameters``):
 - token embedding and every Linear: N(0, init_std), init_std = 0.02 as in DiffLlama and GPT-2;

@@ -1,6 +1,6 @@
 """Conversion to and from Hugging Face ``transformers``: DiffLlama for DIFF models, Llama for standard ones.
 
-Layouts (PAPER.md section 1). Ours keeps the reference code's: q_proj rows (H, 2, d) with half-head
+Layouts (docs/paper.md section 1). Ours keeps the reference code's: q_proj rows (H, 2, d) with half-head
 (h, c) = component c of head h, k_proj/v_proj rows (Hkv, 2, d), interleaved (GPT-J) rotary pairs, and a
 learnable ``subln.weight``. DiffLlama counts 2H half-heads with contiguous halves, rows (2, H, d): query
 half-head c*H + h is component c of head h, key/value head c*Hkv + g is component c of group g, and
@@ -246,7 +246,7 @@ def from_hf(hf_model) -> TransformerLM:
 
 
 def diff_from_standard(base: TransformerLM, lambda_start: float = -1.0) -> TransformerLM:
-    """A DIFF TransformerLM initialised from a standard one, e.g. ``from_hf(a LlamaForCausalLM)`` (PAPER.md
+    """A DIFF TransformerLM initialised from a standard one, e.g. ``from_hf(a LlamaForCausalLM)`` (docs/paper.md
     sections 1 and 2).
 
     Head mapping: within each key/value head pair (2g, 2g+1), query heads (2g) * rep + r and (2g + 1) * rep + r

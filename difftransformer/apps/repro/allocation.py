@@ -1,5 +1,5 @@
 """Attention allocation: how much of the answering position's attention goes to the answer span and how much to the
-rest of the context ("attention to answer" and "attention noise", PAPER.md section 3), by answer depth.
+rest of the context ("attention to answer" and "attention noise", docs/paper.md section 3), by answer depth.
 
 Measured on the needle task's models (N=4, R=2, the training context length), for each depth of the queried needle:
 
@@ -8,7 +8,7 @@ Measured on the needle task's models (N=4, R=2, the training context length), fo
   position; the query tokens themselves count in neither;
 - the map is the differential map ``P1 - lambda P2`` for DIFF and the softmax map for standard; both the absolute
   shares (sum of |map| over the positions) and the signed ones (sum of the map) are reported, since a DIFF layer can
-  retrieve through its second map with a negative sign (../shared/PROTOCOLS.md);
+  retrieve through its second map with a negative sign;
 - summaries: the mean over all layers and heads, the mean over the last layer's heads, and the best head (the
   (layer, head) with the largest absolute answer share averaged over depths), each averaged over SIZE sequences per
   depth and then over seeds.
@@ -29,7 +29,7 @@ from difftransformer.errors import InputError
 from difftransformer.fsutil import write_json
 
 TASK = "allocation"
-PAPER = {  # PAPER.md section 3: answer share by depth 0/25/50/75/100%; noise only as a range over depths
+PAPER = {  # docs/paper.md section 3: answer share by depth 0/25/50/75/100%; noise only as a range over depths
     "diff": {"answer": [0.27, 0.30, 0.31, 0.32, 0.40], "noise_range": [0.01, 0.02]},
     "standard": {"answer": [0.03, 0.03, 0.03, 0.07, 0.09], "noise_range": [0.49, 0.54]},
 }
@@ -155,7 +155,7 @@ def markdown(result: dict) -> str:
         "",
         "Paper, attention noise over depths: "
         + ", ".join(f"{report.NAMES[a]} {lo:.2f}-{hi:.2f}" for a, (lo, hi) in _noise_ranges(result))
-        + " (4K context; PAPER.md does not say which layers and heads it averages).",
+        + " (4K context; the paper does not say which layers and heads it averages).",
         "",
         "Best heads (layer, head) per seed: "
         + "; ".join(

@@ -1,5 +1,5 @@
 """In-context learning: synthetic many-shot classification (tasks.icl_episodes), accuracy against the number of
-demonstrations, and robustness to the order of the demonstrations (PAPER.md section 3).
+demonstrations, and robustness to the order of the demonstrations (docs/paper.md section 3).
 
 Order protocol: for each class count, one fixed set of balanced episodes (the same demonstrations and queries for
 every order); each arrangement (random, grouped by class, alternating by class) is drawn with ORDER_SEEDS seeds; the
@@ -42,7 +42,7 @@ SCALES = {
 ARRANGEMENTS = ("random", "grouped", "alternating")
 ORDER_SEEDS = 5
 CURVE_CLASSES = 4
-PAPER = {  # TREC, best minus worst accuracy over example orders, points (PAPER.md section 3)
+PAPER = {  # TREC, best minus worst accuracy over example orders, points (docs/paper.md section 3)
     "order_spread": {"random": {"standard": 19.0, "diff": 4.0}, "alternating": {"standard": 56.7, "diff": 13.4}},
     "many_shot_gain": {"TREC": 18.0, "TREC-fine": 21.6, "Banking-77": 10.4, "Clinic-150": 5.2},
 }

@@ -1,5 +1,5 @@
 """Multi-needle retrieval: matched DIFF / standard pairs trained on the needle task, scored by (N, R) and by
-depth x length (PAPER.md section 3; the protocol of ../shared/PROTOCOLS.md)."""
+depth x length (docs/paper.md section 3)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ SCALES = {
     ),
 }  # fmt: skip
 NR_GRID = [(1, 1), (2, 2), (4, 2), (6, 2)]
-PAPER_NR = {"diff": [1.00, 0.92, 0.84, 0.85], "standard": [1.00, 0.85, 0.62, 0.55]}  # 4K context, PAPER.md section 3
+PAPER_NR = {"diff": [1.00, 0.92, 0.84, 0.85], "standard": [1.00, 0.85, 0.62, 0.55]}  # 4K, docs/paper.md 3
 DEPTHS = [0.0, 0.25, 0.5, 0.75, 1.0]
 GRID_NEEDLES = (4, 2)  # (N, R) of the depth x length grid, the curves and the allocation measurement
 EVAL_SEED = 1_000_003  # every model is scored on the same examples

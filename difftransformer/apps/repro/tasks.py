@@ -3,7 +3,7 @@
 Both use a small vocabulary of VOCAB tokens: content tokens first, then a few special tokens. Every generator
 takes a ``torch.Generator``, so DIFF and standard models trained with the same seed see the same examples.
 
-Multi-needle retrieval (PAPER.md section 3; ../shared/PROTOCOLS.md): a haystack of random content tokens holds N
+Multi-needle retrieval (docs/paper.md section 3): a haystack of random content tokens holds N
 needles ``[MARK, key, value]`` with distinct keys and distinct values; R queries ``[QRY, key, value]`` follow, asking
 distinct needles. The model reads ``QRY key`` and must produce that needle's value. Only the first query is scored
 (a later one could copy an earlier answer); its needle sits at the requested depth of the haystack.

@@ -1,4 +1,4 @@
-"""Differential attention, V1 (Ye et al., ICLR 2025; PAPER.md section 1).
+"""Differential attention, V1 (Ye et al., ICLR 2025; docs/paper.md section 1).
 
 For differential head h with query halves q1, q2 and key halves k1, k2 of size d, and a value of width 2d:
 
@@ -109,7 +109,7 @@ class MultiheadDiffAttn(AttentionBase):
 
     @classmethod
     def from_config(cls, cfg: ModelConfig, layer_idx: int) -> MultiheadDiffAttn:
-        """The matched pair (PAPER.md section 2): half the standard heads and groups, same head size (with
+        """The matched pair (docs/paper.md section 2): half the standard heads and groups, same head size (with
         ``diff_heads="all"``: as many heads and groups as the standard model, of half its head size)."""
         return cls(
             cfg.d_model,

@@ -1,4 +1,4 @@
-"""Differential attention, V2 (Microsoft, Jan 2026; PAPER.md section 5).
+"""Differential attention, V2 (Microsoft, Jan 2026; docs/paper.md section 5).
 
 Keeps the baseline's key/value heads and doubles the query heads; paired query heads (2h, 2h+1) share
 their key/value group, and one ordinary attention call over the 2H query heads gives maps A:

@@ -1,6 +1,6 @@
 """Exact attention kernels shared by the attention modules.
 
-Shapes (PAPER.md section 1): ``H`` differential heads, ``Hkv`` key/value groups, ``rep = H // Hkv``,
+Shapes (docs/paper.md section 1): ``H`` differential heads, ``Hkv`` key/value groups, ``rep = H // Hkv``,
 half-head size ``d``.
 
     q: (B, H, 2, Tq, d)    component c of differential head h is q[:, h, c]
@@ -24,7 +24,7 @@ Exact methods for differential attention, chosen by ``impl``:
   (``need_weights``) and as the readable reference.
 - ``block`` (``auto`` on CPU for half-heads of 64 or more, or 128 queries or more): processes blocks of
   64 query rows with full key rows, so both softmax normalisers are known before touching V and
-  ``(P1 - lambda P2) @ V`` is applied once (PAPER.md section 4: the attention core does the baseline's
+  ``(P1 - lambda P2) @ V`` is applied once (docs/paper.md section 4: the attention core does the baseline's
   arithmetic, with no 1.5x penalty of two online-softmax passes). Keys and values are read once per
   group, not repeated for GQA. A custom backward recomputes each block's softmax rows from q and k, so
   training never holds the whole (T, T) maps either.

@@ -1,4 +1,4 @@
-"""Standard multi-head softmax attention: the matched baseline (PAPER.md section 2).
+"""Standard multi-head softmax attention: the matched baseline (docs/paper.md section 2).
 
 The same call interface as MultiheadDiffAttn. ``num_heads`` heads of size ``embed_dim // num_heads``;
 ``num_kv_heads`` groups for GQA / MQA.

@@ -7,7 +7,7 @@ Forward: one program per (block of query rows, batch x head) streams each key/va
 both maps' online softmax (running max and sum per map) and two 2d-wide accumulators, so K and V are read once
 for both maps. The output ``O1 - lambda O2`` is written with ``O2`` and both maps' log-sum-exp, which is all
 that the backward needs: with ``dO``, ``delta_c = rowsum(dO * O_c)`` gives each map's softmax backward
-without the maps. This is the flash-style cost of PAPER.md section 4 (1.5x the baseline's attention-core
+without the maps. This is the flash-style cost of docs/paper.md section 4 (1.5x the baseline's attention-core
 arithmetic); nothing of size (T, T) is ever stored.
 
 Backward: one kernel per key block and key/value group accumulates dK1, dK2 and dV over the group's query
