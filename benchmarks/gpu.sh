@@ -18,10 +18,11 @@ log="$OUT/gpu.log"
   timeout 60 python3 - <<'PY'
 import torch
 from difftransformer.core.attention import kernels
+from difftransformer.core.attention.diff import differential_attention
 torch.manual_seed(0)
 q = torch.randn(2, 8, 2, 2048, 64, device="cuda"); k = torch.randn(2, 4, 2, 2048, 64, device="cuda")
 v = torch.randn(2, 4, 2048, 128, device="cuda"); lam = torch.tensor(0.6, device="cuda")
-ref = kernels.diff_attention(*(t.double() for t in (q, k, v, lam)), scale=0.125, impl="plain")
+ref = differential_attention(*(t.double() for t in (q, k, v, lam)), scale=0.125)[0]
 for impl in ("triton", "sdpa"):
     out = kernels.diff_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), lam, scale=0.125, impl=impl)
     print(impl, "bf16 max abs error", (out.double() - ref).abs().max().item())

@@ -10,6 +10,7 @@ from reference import diff_attn_v1
 
 from difftransformer import MultiheadDiffAttn
 from difftransformer.core.attention import kernels
+from difftransformer.core.attention.diff import differential_attention
 
 IMPLS = ("sdpa", "block", "plain")
 
@@ -144,7 +145,7 @@ def test_block_kernel_with_many_blocks_and_a_mask():
     lam = torch.tensor(0.7, dtype=torch.float64, requires_grad=True)
     mask = torch.ones(b, 1, t, t, dtype=torch.bool)
     mask[0, :, :, :5] = False  # sequence 0 is left-padded by 5: its first 5 rows attend nothing
-    plain, _ = kernels.diff_attention_plain(q, k, v, lam, scale=d**-0.5, mask=mask)
+    plain, _ = differential_attention(q, k, v, lam, scale=d**-0.5, mask=mask)
     block = kernels._BlockDiffAttention.apply(q, k, v, lam, d**-0.5, True, mask, 16)
     torch.testing.assert_close(block, plain, rtol=1e-10, atol=1e-12)
     assert (plain[0, :, :5] == 0).all()
@@ -269,3 +270,15 @@ def test_grouped_query_weights_of_unknown_origin_warn():
         with own_layout():
             gqa.load_state_dict(plain)
         make_attn().load_state_dict({k: v.clone() for k, v in make_attn().state_dict().items()})  # MHA: unambiguous
+
+
+def test_every_impl_name_has_one_method_chosen_when_the_module_is_built():
+    from difftransformer.core.config import DIFF_IMPLS
+
+    assert set(DIFF_IMPLS) == set(kernels.METHODS) | {"plain"}
+    for impl in ("auto", "sdpa", "block", "triton"):
+        assert MultiheadDiffAttn(64, 2, 0, impl=impl).method is kernels.METHODS[impl]
+    with pytest.raises(ValueError, match="unknown impl 'flash'; choose one of"):
+        MultiheadDiffAttn(64, 2, 0, impl="flash")
+    with pytest.raises(ValueError, match="unknown fast differential attention method 'plain'"):
+        kernels.diff_method("plain")  # the materialised method is diff.differential_attention

@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from difftransformer.core.attention.diff import own_layout
+from difftransformer.core.attention.gqa_layout import own_layout
 from difftransformer.core.config import ModelConfig
 from difftransformer.core.model import TransformerLM
 from difftransformer.core.rotary import ROPE_SCALINGS, rope_scaling_problem

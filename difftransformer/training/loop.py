@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from difftransformer.core.attention.diff import own_layout
+from difftransformer.core.attention.gqa_layout import own_layout
 from difftransformer.core.config import ModelConfig
 from difftransformer.core.model import TransformerLM
 from difftransformer.errors import ConfigError, InputError, Interrupted, TrainingDiverged

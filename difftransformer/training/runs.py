@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from difftransformer.core.attention.diff import own_layout
+from difftransformer.core.attention.gqa_layout import own_layout
 from difftransformer.core.config import ModelConfig
 from difftransformer.core.model import TransformerLM
 from difftransformer.core.quantized import SCHEMES, quantized_shell

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from difftransformer.apps.repro.tasks import IGNORE, VOCAB
-from difftransformer.core.attention.diff import own_layout
+from difftransformer.core.attention.gqa_layout import own_layout
 from difftransformer.core.attention.logits import LogitQuantizer, check_bits, logit_probe
 from difftransformer.core.config import ModelConfig
 from difftransformer.core.model import TransformerLM

@@ -1,7 +1,8 @@
 """The attention variants, one interface, chosen by name."""
 
-from difftransformer.core.attention.diff import GQALayoutWarning, MultiheadDiffAttn, lambda_init_fn, own_layout
+from difftransformer.core.attention.diff import MultiheadDiffAttn, differential_attention, lambda_init_fn
 from difftransformer.core.attention.diff_v2 import MultiheadDiffAttnV2
+from difftransformer.core.attention.gqa_layout import GQALayoutWarning, own_layout
 from difftransformer.core.attention.standard import MultiheadAttention
 
 ATTENTION = {"diff": MultiheadDiffAttn, "diff_v2": MultiheadDiffAttnV2, "standard": MultiheadAttention}
@@ -12,6 +13,7 @@ __all__ = [
     "MultiheadAttention",
     "MultiheadDiffAttn",
     "MultiheadDiffAttnV2",
+    "differential_attention",
     "lambda_init_fn",
     "own_layout",
 ]

@@ -8,60 +8,64 @@ For differential head h with query halves q1, q2 and key halves k1, k2 of size d
     o_h   = RMSNorm_2d(A) * (1 - lambda_init)
     out   = out_proj(concat_h o_h)
 
+``differential_attention`` below is that equation with both maps materialised, the readable method (and the one
+analysis uses); ``MultiheadDiffAttn.forward`` adds lambda, the per-head norm and the projections. The exact fast
+methods that compute the same ``A`` without holding the maps are in ``kernels.py``, chosen by ``impl`` when the
+module is built.
+
 The parameters are named and laid out as in the reference code, so its state_dict loads unchanged:
 q_proj rows are (H, 2, d) (half-head 2h+c is component c of head h), k_proj rows (Hkv, 2, d) and
-v_proj rows (Hkv, 2d). Query head h reads key/value group h // (H // Hkv) for both maps.
-
-That pairing is the one of the reference's FlashAttention modules. Its naive module pairs grouped-query weights
-differently (query half-head i reads key half-head i // rep), and the weights do not say which module trained them:
-loading grouped-query weights that do not come from this library warns (``GQALayoutWarning``). Weights from the
-naive module have no exact equivalent in this layout.
+v_proj rows (Hkv, 2d). Query head h reads key/value group h // (H // Hkv) for both maps (``gqa_layout.py``).
 """
 
 from __future__ import annotations
 
-import contextvars
 import math
-import warnings
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import torch
 from torch import nn
 
 from difftransformer.core.attention.common import AttentionBase, KVStore, expand_mask, rotary_of
-from difftransformer.core.attention.kernels import (
-    attention_probs,
-    diff_attention,
-    diff_attention_plain,
-    softmax_dtype,
-)
+from difftransformer.core.attention.gqa_layout import warn_unknown_pairing
+from difftransformer.core.attention.kernels import attention_probs, diff_method, softmax_dtype
+from difftransformer.core.attention.logits import active_probe
 from difftransformer.core.config import DIFF_IMPLS, ModelConfig
 from difftransformer.core.layers import RMSNorm
 from difftransformer.core.rotary import apply_rotary
 from difftransformer.errors import InputError
 
 
-class GQALayoutWarning(UserWarning):
-    """Grouped-query weights of unknown origin were loaded: their head pairing cannot be checked."""
-
-
-_OWN_LAYOUT = contextvars.ContextVar("difftransformer_own_layout", default=False)
-
-
-@contextmanager
-def own_layout() -> Iterator[None]:
-    """Weights loaded inside come from this library (its checkpoints and converters), whose head pairing is known."""
-    token = _OWN_LAYOUT.set(True)
-    try:
-        yield
-    finally:
-        _OWN_LAYOUT.reset(token)
-
-
 def lambda_init_fn(layer_idx: int) -> float:
     """The paper's lambda_init schedule, with layer_idx counted from 0."""
     return 0.8 - 0.6 * math.exp(-0.3 * layer_idx)
+
+
+def differential_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lambda_full: torch.Tensor,
+    *,
+    scale: float,
+    causal: bool = True,
+    mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``A = (softmax(q1 k1^T * scale) - lambda softmax(q2 k2^T * scale)) v`` with both maps materialised.
+
+    q (B, H, 2, Tq, d), k (B, Hkv, 2, Tk, d), v (B, Hkv, Tk, 2d) -> (A (B, H, Tq, 2d), the differential map
+    P1 - lambda P2 (B, H, Tq, Tk)). Softmax in float32; masks as in ``kernels.py``.
+    """
+    rep = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(rep, dim=1)  # (B, H, 2, Tk, d): query head h reads group h // rep
+    v = v.repeat_interleave(rep, dim=1)  # (B, H, Tk, 2d)
+    maps = attention_probs(q, k, scale, causal, None if mask is None else mask[:, :, None])  # P1, P2: (B, H, 2, Tq, Tk)
+    diff_map = maps[:, :, 0] - lambda_full * maps[:, :, 1]
+    return torch.matmul(diff_map.to(v.dtype), v), diff_map
+
+
+def _materialised(q, k, v, lambda_full, *, scale, causal=True, mask=None) -> torch.Tensor:
+    """``impl="plain"``: the readable method as the module's method (A only)."""
+    return differential_attention(q, k, v, lambda_full, scale=scale, causal=causal, mask=mask)[0]
 
 
 class MultiheadDiffAttn(AttentionBase):
@@ -94,6 +98,7 @@ class MultiheadDiffAttn(AttentionBase):
         if impl not in DIFF_IMPLS:
             raise InputError(f"unknown impl {impl!r}; choose one of {DIFF_IMPLS}")
         self.impl = impl
+        self.method = _materialised if impl == "plain" else diff_method(impl)
         d, num_kv_heads = self.head_dim, self.num_kv_heads
         self.q_proj = nn.Linear(embed_dim, 2 * num_heads * d, bias=False)
         self.k_proj = nn.Linear(embed_dim, 2 * num_kv_heads * d, bias=False)
@@ -133,17 +138,7 @@ class MultiheadDiffAttn(AttentionBase):
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, *args, **kwargs) -> None:
         version = (local_metadata or {}).get("version") or 0
-        if self.num_kv_heads < self.num_heads and version < 2 and not _OWN_LAYOUT.get():
-            warnings.warn(
-                f"{prefix or 'MultiheadDiffAttn '}: grouped-query weights ({self.num_heads} heads, {self.num_kv_heads} "
-                "key/value groups) of unknown origin: this module pairs head h with group h // rep for both maps, as "
-                "the reference's FlashAttention modules do; its naive module pairs them differently (half-head i "
-                "reads key half-head i // rep), so its weights load here but compute another function. Load only "
-                "weights trained with the FlashAttention pairing; inside `with difftransformer.core.attention."
-                "own_layout():` this warning is off",
-                GQALayoutWarning,
-                stacklevel=4,
-            )
+        warn_unknown_pairing(prefix, self.num_heads, self.num_kv_heads, version)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, *args, **kwargs)
 
     def lambda_full(self) -> torch.Tensor:
@@ -172,13 +167,14 @@ class MultiheadDiffAttn(AttentionBase):
         b, t, _ = x.shape
         q, k, v, mask = self._project(x, mask, positions, cache, rotary)
         lam = self.lambda_full()
-        if need_weights:
-            attn, weights = diff_attention_plain(q, k, v, lam, scale=self.scaling, causal=self.causal, mask=mask)
-        else:
-            attn = diff_attention(q, k, v, lam, scale=self.scaling, causal=self.causal, mask=mask, impl=self.impl)
-        if self.subln is not None:
+        weights = None
+        if need_weights or active_probe() is not None:  # the maps are wanted, or their logits observed
+            attn, weights = differential_attention(q, k, v, lam, scale=self.scaling, causal=self.causal, mask=mask)
+        else:  # the same A by the exact method chosen at construction, without holding the maps
+            attn = self.method(q, k, v, lam, scale=self.scaling, causal=self.causal, mask=mask)
+        if self.subln is not None:  # RMSNorm(A) * (1 - lambda_init), the factor folded into the norm's weight
             attn = self.subln(attn, scale=1 - self.lambda_init)  # (B, H, T, 2d)
-        else:
+        else:  # the ablation without the per-head norm keeps the factor
             attn = attn * (1 - self.lambda_init)
         out = self.out_proj(attn.transpose(1, 2).reshape(b, t, 2 * self.num_heads * self.head_dim))
         return (out, weights) if need_weights else out

@@ -20,8 +20,8 @@ Exact methods for differential attention, chosen by ``impl``:
   widths, so q and k are zero-padded from d to 2d (scores unchanged, scale passed explicitly) and each
   group's 2d-wide V serves both maps: twice the baseline's attention-core work, inside a fused kernel.
   Never materialises a (T, T) map.
-- ``plain``: materialises both (Tq, Tk) softmax maps of every head in float32; used for analysis
-  (``need_weights``) and as the readable reference.
+- ``plain``: materialises both (Tq, Tk) softmax maps of every head in float32: ``diff.differential_attention``,
+  the readable method, used for analysis (``need_weights``) and under a logit probe.
 - ``block`` (``auto`` on CPU for half-heads of 64 or more, or 128 queries or more): processes blocks of
   64 query rows with full key rows, so both softmax normalisers are known before touching V and
   ``(P1 - lambda P2) @ V`` is applied once (docs/paper.md section 4: the attention core does the baseline's
@@ -38,11 +38,12 @@ Decoding (``auto``, at most DECODE_ROWS queries, no gradient) computes the full 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
 from difftransformer.core.attention.logits import active_probe
-from difftransformer.core.config import DIFF_IMPLS
 from difftransformer.errors import InputError
 
 MASK_VALUE = torch.finfo(torch.float32).min
@@ -90,25 +91,6 @@ def _full_allowed(tq, tk, causal, mask, device):
     if mask is not None:
         allowed = mask if allowed is None else allowed & mask
     return allowed
-
-
-def diff_attention_plain(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    lambda_full: torch.Tensor,
-    *,
-    scale: float,
-    causal: bool = True,
-    mask: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Differential attention with materialised maps. Returns (out (B, H, Tq, 2d), map (B, H, Tq, Tk))."""
-    rep = q.shape[1] // k.shape[1]
-    k = k.repeat_interleave(rep, dim=1)  # (B, H, 2, Tk, d): head h reads group h // rep
-    v = v.repeat_interleave(rep, dim=1)  # (B, H, Tk, 2d)
-    probs = attention_probs(q, k, scale, causal, None if mask is None else mask[:, :, None])
-    diff_map = probs[:, :, 0] - lambda_full * probs[:, :, 1]  # (B, H, Tq, Tk)
-    return torch.matmul(diff_map.to(v.dtype), v), diff_map
 
 
 class _BlockDiffAttention(torch.autograd.Function):
@@ -219,6 +201,15 @@ def block_size(batch: int, heads: int, tq: int, tk: int) -> int:
     return max(16, min(tq, BLOCK_ROWS, rows))
 
 
+def diff_method(impl: str) -> Callable[..., torch.Tensor]:
+    """The exact method ``impl`` (auto, sdpa, block or triton) as a function ``(q, k, v, lambda_full, *, scale,
+    causal, mask) -> A``; the modules choose it once, when they are built (``plain``, the materialised method, is
+    ``diff.differential_attention``)."""
+    if impl not in METHODS:
+        raise InputError(f"unknown fast differential attention method {impl!r}; choose one of {tuple(METHODS)}")
+    return METHODS[impl]
+
+
 def diff_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -230,33 +221,44 @@ def diff_attention(
     mask: torch.Tensor | None = None,
     impl: str = "auto",
 ) -> torch.Tensor:
-    """Exact differential attention ``(softmax(q1 k1^T) - lambda softmax(q2 k2^T)) v`` -> (B, H, Tq, 2d)."""
-    if impl not in DIFF_IMPLS:
-        raise InputError(f"unknown differential attention impl {impl!r}; choose one of {DIFF_IMPLS}")
-    if active_probe() is not None:  # the logits are observed or quantized: only the plain path has them
-        impl = "plain"
-    if impl == "triton":
-        try:  # optional dependency, imported on first use
-            from . import triton_diff
-        except ImportError as err:
-            raise ImportError(
-                "attention impl 'triton' needs Triton: pip install 'difftransformer[triton]' (or use impl 'auto')"
-            ) from err
+    """Exact differential attention ``(softmax(q1 k1^T) - lambda softmax(q2 k2^T)) v`` -> (B, H, Tq, 2d) by the
+    method ``impl`` (see the module docstring)."""
+    return diff_method(impl)(q, k, v, lambda_full, scale=scale, causal=causal, mask=mask)
 
-        if triton_diff.supported(q, k, causal, mask):
-            return triton_diff.diff_attention_triton(q, k, v, lambda_full, scale, causal)
-        impl = "auto"
-    if impl == "auto" and q.shape[3] <= DECODE_ROWS and not torch.is_grad_enabled():
+
+def _auto(q, k, v, lambda_full, *, scale, causal=True, mask=None):
+    """Decoding rows without gradient read K and V once; on CPU the block method from BLOCK_MIN_HEAD_DIM or
+    BLOCK_MIN_ROWS on; otherwise the fused sdpa path."""
+    if q.shape[3] <= DECODE_ROWS and not torch.is_grad_enabled():
         return _diff_decode(q, k, v, lambda_full, scale, causal, mask)
-    if impl == "auto":
-        long_or_wide = q.shape[-1] >= BLOCK_MIN_HEAD_DIM or q.shape[3] >= BLOCK_MIN_ROWS
-        impl = "block" if q.device.type == "cpu" and long_or_wide else "sdpa"
-    if impl == "plain":
-        return diff_attention_plain(q, k, v, lambda_full, scale=scale, causal=causal, mask=mask)[0]
-    if impl == "block":
-        block = block_size(q.shape[0], q.shape[1], q.shape[3], k.shape[3])
-        return _BlockDiffAttention.apply(q, k, v, lambda_full, scale, causal, mask, block)
+    long_or_wide = q.shape[-1] >= BLOCK_MIN_HEAD_DIM or q.shape[3] >= BLOCK_MIN_ROWS
+    method = _block if q.device.type == "cpu" and long_or_wide else _sdpa
+    return method(q, k, v, lambda_full, scale=scale, causal=causal, mask=mask)
+
+
+def _block(q, k, v, lambda_full, *, scale, causal=True, mask=None):
+    block = block_size(q.shape[0], q.shape[1], q.shape[3], k.shape[3])
+    return _BlockDiffAttention.apply(q, k, v, lambda_full, scale, causal, mask, block)
+
+
+def _sdpa(q, k, v, lambda_full, *, scale, causal=True, mask=None):
     return _diff_attention_sdpa(q, k, v, lambda_full, scale, causal, mask)
+
+
+def _triton(q, k, v, lambda_full, *, scale, causal=True, mask=None):
+    """The Triton kernels where they apply; other inputs (a boolean mask, other head sizes or dtypes) take ``auto``."""
+    try:  # optional dependency, imported on first use
+        from . import triton_diff
+    except ImportError as err:
+        raise ImportError(
+            "attention impl 'triton' needs Triton: pip install 'difftransformer[triton]' (or use impl 'auto')"
+        ) from err
+    if triton_diff.supported(q, k, causal, mask):
+        return triton_diff.diff_attention_triton(q, k, v, lambda_full, scale, causal)
+    return _auto(q, k, v, lambda_full, scale=scale, causal=causal, mask=mask)
+
+
+METHODS = {"auto": _auto, "sdpa": _sdpa, "block": _block, "triton": _triton}
 
 
 def _diff_decode(q, k, v, lambda_full, scale, causal, mask):
