@@ -16,7 +16,13 @@ from typing import Any
 
 
 class InputError(ValueError):
-    """Bad input from the user, with a message that names the problem and the fix."""
+    """Bad input from the user, with a message that names the problem and the fix. A setting the user can change
+    is written as `field` (its argument or config name); the CLI names its flag instead (``name_fields``)."""
+
+
+def name_fields(message: str, name_of: Callable[[str], str]) -> str:
+    """``message`` with every `field` replaced by ``name_of(field)``."""
+    return re.sub(r"`(\w+)`", lambda m: name_of(m.group(1)), message)
 
 
 class ConfigError(InputError):
@@ -28,7 +34,7 @@ class ConfigError(InputError):
 
     def render(self, name_of: Callable[[str], str]) -> str:
         """The message with every field written as ``name_of(field)`` (the CLI gives its flags)."""
-        return f"{name_of(self.field)} " + re.sub(r"`(\w+)`", lambda m: name_of(m.group(1)), self.problem)
+        return f"{name_of(self.field)} " + name_fields(self.problem, name_of)
 
 
 class TrainingDiverged(RuntimeError):

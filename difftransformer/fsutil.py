@@ -132,7 +132,7 @@ def open_plan(out: Path, name: str, record: dict, what: str, other: Callable[[di
             raise InputError(other(saved, path))
         return saved
     if out.exists() and any(p.name != name for p in out.iterdir()):
-        raise InputError(f"{out} is not empty and holds no {name}: give a new or empty --out for a new {what}")
+        raise InputError(f"{out} is not empty and holds no {name}: give a new or empty `out` for a new {what}")
     out.mkdir(parents=True, exist_ok=True)
     write_text_atomic(path, json.dumps(record, indent=1) + "\n")
     return record

@@ -211,6 +211,11 @@ def test_repro_allocation_needs_matching_models(tmp_path, tiny_scales, capsys):
     assert main(args) == 2
     assert "lacks the needle models of seed(s) [1]" in capsys.readouterr().err
     assert main(["repro", "needle", "--seeds", "0", "--out", str(tmp_path / "x")]) == 2
+    capsys.readouterr()
+    assert main(["repro", "quant", "--out", str(tmp_path / "q")]) == 2  # the library names `models`, the CLI its flag
+    assert "give its directory (--models: e.g. reports/lm)" in capsys.readouterr().err
+    with pytest.raises(ValueError, match=r"give its directory \(`models`: e.g. reports/lm\)"):
+        suite.run("quant", tmp_path / "q")
     with pytest.raises(ValueError, match="unknown experiment"):
         suite.run("outliers", tmp_path / "y")
 

@@ -62,13 +62,13 @@ def load_prompt(run: str | Path, prompt_file: str | Path) -> tuple[torch.nn.Modu
 def analyze_attention(run: str | Path, prompt_file: str | Path, out: str | Path, layer: int = -1) -> Path:
     out = Path(out)
     if out.exists():
-        raise FileExistsError(f"{out} already exists; choose another --out or remove it")
+        raise FileExistsError(f"{out} already exists; choose another `out` or remove it")
     if out.suffix.lower() != ".png":
-        raise InputError(f"--out must name a .png file, got {out}")
+        raise InputError(f"`out` must name a .png file, got {out}")
     model, tokens, labels = load_prompt(run, prompt_file)
     n_layers = len(model.layers)
     if not -n_layers <= layer < n_layers:
-        raise InputError(f"--layer {layer} is out of range: the model has {n_layers} layers")
+        raise InputError(f"`layer` {layer} is out of range: the model has {n_layers} layers")
     maps = attention_maps(model, tokens, both=True)[layer]
     figure = _figure(maps, labels, layer % n_layers, model.config.attention)
     write_atomic(out, lambda tmp: figure.savefig(tmp, dpi=100))

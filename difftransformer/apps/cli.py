@@ -622,8 +622,9 @@ def _at_least(low: int):
     return parse
 
 
-def _flag_namer(parser: argparse.ArgumentParser, owner: str):
-    """Field name -> the flag that sets it in this command (``n_layers (in --model)`` for model fields)."""
+def _flag_namer(parser: argparse.ArgumentParser, owner: str | None = None):
+    """Field name -> the flag that sets it in this command (``n_layers (in --model)`` for model fields); a field
+    without a flag keeps its name (``owner.field`` for a config's)."""
     flags = {a.dest: a.option_strings[-1] for a in parser._actions if a.option_strings}
 
     def name_of(field: str) -> str:
@@ -631,7 +632,7 @@ def _flag_namer(parser: argparse.ArgumentParser, owner: str):
             return flags[field]
         if owner == "ModelConfig" and "model" in flags:
             return f"{field} (in --model)"
-        return f"{owner}.{field}"
+        return f"`{field}`" if owner is None else f"{owner}.{field}"
 
     return name_of
 
@@ -639,7 +640,7 @@ def _flag_namer(parser: argparse.ArgumentParser, owner: str):
 def main(argv: list[str] | None = None) -> int:
     """Run one command. Exit codes: 0 done, 2 bad input or a file problem (one line on stderr), 3 training
     diverged, 130/143 interrupted by SIGINT/SIGTERM, 1 a defect (with its traceback: please report it)."""
-    from difftransformer.errors import ConfigError, InputError, Interrupted, TrainingDiverged
+    from difftransformer.errors import ConfigError, InputError, Interrupted, TrainingDiverged, name_fields
 
     try:
         args = build_parser().parse_args(argv)
@@ -650,7 +651,9 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except ConfigError as err:
         return _fail(where, err.render(_flag_namer(args.parser, err.owner)))
-    except (InputError, OSError) as err:
+    except InputError as err:
+        return _fail(where, name_fields(str(err), _flag_namer(args.parser)))
+    except OSError as err:
         return _fail(where, str(err))
     except TrainingDiverged as err:
         return _fail(where, str(err), code=3)

@@ -102,7 +102,7 @@ def generate(
             if not truncate or room < 1:
                 raise InputError(
                     f"prompt {i} has {len(p)} tokens; with {max_new_tokens} new tokens it exceeds the model's context "
-                    f"of {limit}. Shorten the prompt, ask for fewer tokens, or pass truncate=True (--truncate) to keep "
+                    f"of {limit}. Shorten the prompt, ask for fewer tokens, or set `truncate` to keep "
                     f"its last {max(room, 0)} tokens"
                 )
             prompts[i] = p[-room:]

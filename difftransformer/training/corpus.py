@@ -70,7 +70,7 @@ def iter_documents(files: list[Path], text_field: str = "text") -> Iterator[str]
                 continue
             record = parse_json_object(line, f"{path}:{number}")
             if not isinstance(record.get(text_field), str):
-                raise InputError(f"{path}:{number} has no string field {text_field!r} (set it with --text-field)")
+                raise InputError(f"{path}:{number} has no string field {text_field!r} (set it with `text_field`)")
             if record[text_field].strip():
                 yield record[text_field]
 

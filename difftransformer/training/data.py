@@ -331,7 +331,7 @@ class WindowSampler:
         if self.data.n_tokens < self.seq_len + 1:
             raise InputError(
                 f"the {self.data.split} split has {self.data.n_tokens} tokens, fewer than one window of "
-                f"seq_len + 1 = {self.seq_len + 1}; use a larger corpus or a smaller --seq-len"
+                f"seq_len + 1 = {self.seq_len + 1}; use a larger corpus or a smaller `seq_len`"
             )
 
     def batch(self, index: int, part: int = 0, parts: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
@@ -354,7 +354,7 @@ def eval_windows(data: TokenData, seq_len: int, max_tokens: int) -> torch.Tensor
     if data.n_tokens < seq_len + 1:
         raise InputError(
             f"the {data.split} split has {data.n_tokens} tokens, fewer than one window of {seq_len + 1}; use a larger "
-            "corpus (or a smaller --seq-len) so that validation is possible"
+            "corpus (or a smaller `seq_len`) so that validation is possible"
         )
     available = (data.n_tokens - 1) // seq_len
     count = max(1, min(available, max_tokens // seq_len))

@@ -61,9 +61,9 @@ def parallelize(
     Activation checkpointing keeps only each block's input for backward and recomputes the block; the wrapper
     leaves parameter names (and so checkpoints) unchanged."""
     if mode not in PARALLEL_MODES:
-        raise InputError(f"--parallel must be one of {PARALLEL_MODES}, got {mode!r}")
+        raise InputError(f"`parallel` must be one of {PARALLEL_MODES}, got {mode!r}")
     if mode != "none" and not dist.is_initialized():
-        raise InputError(f"--parallel {mode} needs a process group: launch with torchrun --nproc-per-node N")
+        raise InputError(f"`parallel` {mode} needs a process group: launch with torchrun --nproc-per-node N")
     if checkpoint_activations:
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 

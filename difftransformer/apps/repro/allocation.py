@@ -77,7 +77,7 @@ def run(
     if models and missing:
         raise FileNotFoundError(
             f"{models}/models lacks the needle models of seed(s) {missing}; run `difftx repro needle` with as many "
-            "seeds, or drop --models to train them here"
+            "seeds, or drop `models` to train them here"
         )
     if not found:
         save_models(run_pairs(partial(needle.train_job, spec=spec), seeds, workers), out, needle.TASK)
@@ -89,7 +89,7 @@ def run(
             if model.config.max_seq_len != spec.seq_len:
                 raise InputError(
                     f"{found[(attention, seed)]} was trained at context {model.config.max_seq_len}, not the "
-                    f"{scale} scale's {spec.seq_len}: pass the same --scale as the needle run"
+                    f"{scale} scale's {spec.seq_len}: pass the same `scale` as the needle run"
                 )
             per_depth = measure(model, spec.seq_len, needle.DEPTHS, SIZE)
             best = best_head(per_depth)

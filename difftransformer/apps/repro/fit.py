@@ -78,7 +78,7 @@ def scaled_spec(
     spec = scales[scale]
     if steps is not None:
         if steps < 1:
-            raise InputError(f"--steps must be at least 1, got {steps}")
+            raise InputError(f"`steps` must be at least 1, got {steps}")
         spec = FitSpec(**{**asdict(spec), "steps": steps, "eval_every": max(1, min(spec.eval_every, steps))})
     if logit_bits is not None:
         spec = FitSpec(**{**asdict(spec), "logit_bits": check_bits(logit_bits)})

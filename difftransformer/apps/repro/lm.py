@@ -257,7 +257,7 @@ def open_study(out: Path, scale: Scale, seeds: list[int]) -> dict:
         "study",
         lambda saved, path: (
             f"{out} holds a study with another plan ({path}: scale {saved.get('scale', {}).get('name')!r}, seeds "
-            f"{saved.get('seeds')}); continue it with the same --scale, --steps and --seeds, or give a new --out"
+            f"{saved.get('seeds')}); continue it with the same `scale`, `steps` and `seeds`, or give a new `out`"
         ),
     )
 
@@ -448,8 +448,8 @@ def run(
     corpora = list(DEFAULT_CORPORA if corpora is None else corpora)
     if device_problem(plan.device) is not None:  # everything here is checked before anything is written
         raise InputError(
-            f"--scale {scale} trains on {plan.device!r}, which this machine lacks (no CUDA GPU, or torch is a CPU "
-            "build); use --scale cpu here"
+            f"`scale` {scale} trains on {plan.device!r}, which this machine lacks (no CUDA GPU, or torch is a CPU "
+            "build); use `scale` cpu here"
         )
     if not (out / "data" / "manifest.json").is_file():
         study_documents(corpora, read=False)

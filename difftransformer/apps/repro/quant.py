@@ -72,7 +72,7 @@ def pairs(study: Path) -> list[dict]:
 def run(out: Path, scale: str, seeds: list[int], workers: int, steps: int | None = None, models=None) -> dict:
     """Measure the pairs of the study in ``models`` (a `difftx repro lm` directory) into ``out``."""
     if models is None:
-        raise InputError("repro quant measures a language-model study: give its directory (`--models reports/lm`)")
+        raise InputError("repro quant measures a language-model study: give its directory (`models`: e.g. reports/lm)")
     study = Path(models)
     found = pairs(study)
     data = study / "data"
@@ -108,7 +108,7 @@ def _open(out: Path, plan: dict) -> None:
         "quantization study",
         lambda saved, path: (
             f"{out} holds measurements of another plan ({path}: study {saved.get('study')}, scale "
-            f"{saved.get('scale')!r}); continue it with the same --models and --scale, or give a new --out"
+            f"{saved.get('scale')!r}); continue it with the same `models` and `scale`, or give a new `out`"
         ),
     )
 

@@ -36,12 +36,12 @@ def run(
     if what not in (*EXPERIMENTS, "all"):
         raise InputError(f"unknown experiment {what!r}; choose one of {', '.join(EXPERIMENTS)} or all")
     if seeds < 1:
-        raise InputError(f"--seeds must be at least 1, got {seeds}")
+        raise InputError(f"`seeds` must be at least 1, got {seeds}")
     if logit_bits is not None:
         from difftransformer.core.attention.logits import check_bits
 
         if what not in LOGIT_BITS:
-            raise InputError(f"--logit-bits applies to {' and '.join(LOGIT_BITS)} (their final evaluation), not {what}")
+            raise InputError(f"`logit_bits` applies to {' and '.join(LOGIT_BITS)} (their final evaluation), not {what}")
         check_bits(logit_bits)
     out = Path(out)
     if what not in CONTINUED:
