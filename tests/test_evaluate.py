@@ -6,7 +6,8 @@ from conftest import SMALL, small_config
 
 from difftransformer import load_run
 from difftransformer.apps.cli import main
-from difftransformer.inference.evaluate import bits_per_byte, read_texts
+from difftransformer.inference.evaluate import read_texts
+from difftransformer.training.evaluate import text_bits_per_byte
 from difftransformer.training.loop import train
 
 
@@ -21,7 +22,7 @@ def test_lm_eval_perplexity_matches_our_bits_per_byte(prepared, tmp_path, capsys
     out = capsys.readouterr().out
     result = json.loads(out[out.index("{") :])
     model, tok = load_run(tmp_path / "run")
-    ours = bits_per_byte(model, tok, read_texts(jsonl))
+    ours = text_bits_per_byte(model, tok, read_texts(jsonl))
     assert abs(result["lm_eval"]["bits_per_byte"] - ours) < 1e-4
     assert result["ours"]["bits_per_byte"] == ours
     assert 1.0 < result["lm_eval"]["byte_perplexity"] < 257

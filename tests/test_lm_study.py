@@ -12,6 +12,7 @@ from difftransformer.apps.repro import lm, lm_measure, lm_report
 from difftransformer.apps.repro.scaling import PowerLaw, fit_power_law, fraction_needed, t_interval
 from difftransformer.errors import ConfigError, InputError
 from difftransformer.training.data import TokenData, is_val_document, prepare
+from difftransformer.training.evaluate import token_losses
 from difftransformer.training.tokenizer import ByteTokenizer
 
 # recall hits ------------------------------------------------------------------------------------------------------
@@ -69,7 +70,7 @@ class CountingModel(torch.nn.Module):
 def test_per_position_loss_of_a_stand_in_model():
     vocab, c, t = 50, 0.1, 16
     windows = torch.arange(t + 1).repeat(3, 1)
-    losses = lm_measure.token_losses(CountingModel(vocab, c), windows, batch=2)
+    losses = token_losses(CountingModel(vocab, c), windows, batch=2)
     expected = [math.log(1 + (vocab - 1) * math.exp(-c * p)) for p in range(t)]
     assert losses.shape == (3, t)
     torch.testing.assert_close(losses[1], torch.tensor(expected))

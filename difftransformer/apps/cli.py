@@ -269,8 +269,9 @@ def _quantize(args: argparse.Namespace) -> int:
 def _eval(args: argparse.Namespace) -> int:
     from transformers import PreTrainedTokenizerFast
 
-    from difftransformer.inference.evaluate import bits_per_byte, lm_eval_perplexity, read_texts
+    from difftransformer.inference.evaluate import lm_eval_perplexity, read_texts
     from difftransformer.interop.hf import to_hf
+    from difftransformer.training.evaluate import text_bits_per_byte
     from difftransformer.training.runs import load_run
     from difftransformer.training.tokenizer import EOT
 
@@ -281,7 +282,7 @@ def _eval(args: argparse.Namespace) -> int:
         quantizer = LogitQuantizer(args.logit_bits, args.logit_granularity)
     model, tokenizer = load_run(args.run)
     texts = read_texts(args.jsonl, args.text_field)
-    result = {"ours": {"bits_per_byte": bits_per_byte(model, tokenizer, texts)}}
+    result = {"ours": {"bits_per_byte": text_bits_per_byte(model, tokenizer, texts)}}
     from difftransformer.core.quantized import is_quantized
 
     if is_quantized(model):
@@ -292,7 +293,7 @@ def _eval(args: argparse.Namespace) -> int:
         result["lm_eval"] = lm_eval_perplexity(hf, hf_tok, args.jsonl, args.text_field, model.config.max_seq_len)
     if quantizer is not None:
         with logit_probe(quantizer):
-            quantized = bits_per_byte(model, tokenizer, texts)
+            quantized = text_bits_per_byte(model, tokenizer, texts)
         result["ours_quantized_logits"] = {
             "bits_per_byte": quantized,
             "logit_bits": quantizer.bits,

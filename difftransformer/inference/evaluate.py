@@ -1,5 +1,5 @@
 """Evaluation with the tools people use: EleutherAI's lm-eval (its HFLM wrapper) on a local JSONL task, offline,
-and our own bits per byte on the same texts to check it against.
+checked against our own bits per byte on the same texts (``difftransformer.training.evaluate``).
 
 Perplexity is lm-eval's ``loglikelihood_rolling``: each text is scored token by token after the end-of-text
 token, and lm-eval reports word perplexity, byte perplexity and bits per byte.
@@ -8,15 +8,9 @@ token, and lm-eval reports word perplexity, byte perplexity and bits per byte.
 from __future__ import annotations
 
 import json
-import math
 import os
 import tempfile
 from pathlib import Path
-
-import torch
-import torch.nn.functional as F
-
-from difftransformer.core.model import TransformerLM
 
 TASK = "difftx_local_perplexity"
 
@@ -25,24 +19,6 @@ def read_texts(jsonl: str | Path, text_field: str = "text") -> list[str]:
     from difftransformer.training.corpus import iter_documents
 
     return list(iter_documents([Path(jsonl)], text_field))
-
-
-@torch.no_grad()
-def bits_per_byte(model: TransformerLM, tokenizer, texts: list[str]) -> float:
-    """Our own bits per byte: each text's tokens after the end-of-text token, scored in consecutive blocks of at
-    most the context length, each block seeing as many earlier tokens as the context holds."""
-    model.eval()
-    limit = model.config.max_seq_len
-    nll, n_bytes = 0.0, 0
-    for text in texts:
-        ids = torch.tensor([tokenizer.eot_id, *tokenizer.encode(text)])
-        for first in range(1, len(ids), limit):  # targets ids[first:last]
-            last = min(len(ids), first + limit)
-            start = max(0, last - 1 - limit)
-            logits = model(ids[start : last - 1][None])[0, first - 1 - start :]
-            nll += F.cross_entropy(logits.float(), ids[first:last], reduction="sum").item()
-        n_bytes += len(text.encode("utf-8"))
-    return nll / math.log(2) / n_bytes
 
 
 def lm_eval_perplexity(hf_model, hf_tokenizer, jsonl: str | Path, text_field: str = "text", max_length: int = 256):

@@ -45,6 +45,7 @@ from difftransformer.training.distributed import (
     parallelize,
     unwrap,
 )
+from difftransformer.training.evaluate import loss_and_bits_per_byte
 from difftransformer.training.interrupts import StopSignals
 from difftransformer.training.runs import (
     LOCK,
@@ -98,25 +99,6 @@ def autocast_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype | None
     if device.type == "cuda" and torch.cuda.is_bf16_supported():
         return torch.bfloat16
     return None
-
-
-@torch.no_grad()
-def evaluate(
-    model, windows: torch.Tensor, token_bytes: torch.Tensor, device, amp, batch: int = 8
-) -> tuple[float, float]:
-    """Mean validation loss (nats per token) and bits per byte over fixed windows."""
-    model.eval()
-    total_loss, total_tokens, total_bytes = 0.0, 0, 0
-    for i in range(0, len(windows), batch):
-        chunk = windows[i : i + batch].to(device)
-        with torch.autocast(device.type, dtype=amp or torch.float32, enabled=amp is not None):
-            logits = model(chunk[:, :-1])
-        loss = F.cross_entropy(logits.float().flatten(0, 1), chunk[:, 1:].flatten(), reduction="sum")
-        total_loss += float(loss)
-        total_tokens += chunk[:, 1:].numel()
-        total_bytes += int(token_bytes[chunk[:, 1:].cpu()].sum())
-    model.train()
-    return total_loss / total_tokens, total_loss / math.log(2) / max(1, total_bytes)
 
 
 class Progress:
@@ -381,7 +363,9 @@ class Trainer:
         return row
 
     def validate(self) -> tuple[float, float]:
-        return evaluate(self.model, self.val_windows, self.token_bytes, self.world.device, self.amp)
+        return loss_and_bits_per_byte(
+            self.model, self.val_windows, self.token_bytes, amp=self.amp, device=self.world.device
+        )
 
     def fit(self, until: int | None = None) -> list[dict]:
         """Train to ``until`` (default max_steps), logging, validating and checkpointing on the configured

@@ -43,6 +43,7 @@ from difftransformer.fsutil import open_plan, read_json_object, write_text_atomi
 from difftransformer.training import corpus
 from difftransformer.training.config import TrainConfig, device_problem, resume_config
 from difftransformer.training.data import TokenData, eval_windows, is_val_document, prepare, read_manifest
+from difftransformer.training.evaluate import token_losses
 from difftransformer.training.interrupts import StopSignals
 from difftransformer.training.loop import Trainer, layer_lambdas
 from difftransformer.training.runs import TRAIN_CONFIG
@@ -411,9 +412,9 @@ def measure_run(trainer: Trainer, run: Run, scale: Scale, data: Path) -> dict:
     val = TokenData(data, "val")
     windows = eval_windows(val, scale.seq_len, scale.eval_tokens)
     device = next(model.parameters()).device
-    losses = lm_measure.token_losses(model, windows.to(device), amp=trainer.amp).cpu()
+    losses = token_losses(model, windows.to(device), amp=trainer.amp).cpu()
     docs = lm_measure.document_windows(val, trainer.tokenizer.eot_id, scale.seq_len)
-    doc_losses = lm_measure.token_losses(model, docs.to(device), amp=trainer.amp).cpu() if len(docs) else None
+    doc_losses = token_losses(model, docs.to(device), amp=trainer.amp).cpu() if len(docs) else None
     cfg = model.config
     return {
         **_identity(run, scale, cfg),

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from difftransformer.training.data import TokenData
 
@@ -32,24 +31,6 @@ def recall_hits(window: torch.Tensor | np.ndarray | list[int], order: int = RECA
             hits[pos - 1] = True
         seen.add(gram)
     return hits
-
-
-@torch.no_grad()
-def token_losses(
-    model: torch.nn.Module, windows: torch.Tensor, batch: int = 8, amp: torch.dtype | None = None
-) -> torch.Tensor:
-    """(N, T) cross-entropy in nats of each target of ``windows`` (N, T + 1), in float32, model in eval mode
-    (under autocast to ``amp`` when given, as the training loop evaluates)."""
-    was_training = model.training
-    model.eval()
-    out = []
-    for i in range(0, len(windows), batch):
-        chunk = windows[i : i + batch]
-        with torch.autocast(chunk.device.type, dtype=amp or torch.float32, enabled=amp is not None):
-            logits = model(chunk[:, :-1]).float()
-        out.append(F.cross_entropy(logits.transpose(1, 2), chunk[:, 1:], reduction="none"))
-    model.train(was_training)
-    return torch.cat(out)
 
 
 def split_by_recall(losses: torch.Tensor, windows: torch.Tensor, order: int = RECALL_ORDER) -> dict:

@@ -27,12 +27,12 @@ import torch
 
 from difftransformer.apps.outliers import measure as measure_outliers
 from difftransformer.apps.repro import lm
-from difftransformer.apps.repro.lm_measure import token_losses
 from difftransformer.core.attention.logits import LogitQuantizer, logit_probe
 from difftransformer.errors import InputError
 from difftransformer.fsutil import open_plan, read_json_object, write_text_atomic
 from difftransformer.inference.quantize import CALIB_SAMPLES
 from difftransformer.training.data import TokenData, eval_windows
+from difftransformer.training.evaluate import token_losses
 from difftransformer.training.runs import load_run
 
 PLAN = "quant.json"
