@@ -1,0 +1,78 @@
+"""Checkpoints on their own: round trip, pruning, digests, and the tidying of killed writes."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from difftransformer.errors import InputError
+from difftransformer.training.checkpoint import clean_stale, list_checkpoints, load_checkpoint, save_checkpoint
+
+
+def _states():
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(4, 3)).sum().backward()
+    optimizer.step()
+    names = [name for name, _ in model.named_parameters()]  # the name-keyed format the training loop saves
+    state = optimizer.state_dict()
+    return model.state_dict(), {
+        "state": {names[i]: s for i, s in state["state"].items()},
+        "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]],
+    }
+
+
+def test_a_checkpoint_round_trips_bit_exactly(tmp_path):
+    model_state, optim_state = _states()
+    path = save_checkpoint(tmp_path, 7, model_state, optim_state, {"note": "x"})
+    assert path.name == "step_00000007"
+    model, optim, meta = load_checkpoint(path)
+    assert model.keys() == model_state.keys() and all(torch.equal(model[k], model_state[k]) for k in model)
+    assert meta["step"] == 7 and meta["note"] == "x"
+    for key, value in optim_state["state"]["weight"].items():
+        assert torch.equal(optim["state"]["weight"][key], value)
+    assert optim["param_groups"] == json.loads(json.dumps(optim_state["param_groups"]))  # JSON: tuples as lists
+
+
+def test_only_the_newest_keep_last_checkpoints_remain(tmp_path):
+    model_state, optim_state = _states()
+    for step in (2, 4, 6, 8):
+        save_checkpoint(tmp_path, step, model_state, optim_state, {}, keep_last=2)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000006", "step_00000008"]
+    save_checkpoint(tmp_path, 8, model_state, optim_state, {}, keep_last=0)  # the same step again: swapped in place
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000006", "step_00000008"]
+
+
+@pytest.mark.parametrize("damaged", ["model.safetensors", "optimizer.safetensors", "state.json"])
+def test_a_changed_byte_is_refused_with_the_way_out(tmp_path, damaged):
+    model_state, optim_state = _states()
+    path = save_checkpoint(tmp_path, 1, model_state, optim_state, {"note": "abc"})
+    data = bytearray((path / damaged).read_bytes())
+    index = data.rfind(b"abc") if damaged == "state.json" else len(data) - 1  # a value, not the syntax
+    data[index] ^= 0x01
+    (path / damaged).write_bytes(bytes(data))
+    with pytest.raises(InputError, match=rf"{damaged} does not match its checksum.*mv .*step_00000001 .*damaged-"):
+        load_checkpoint(path)
+
+
+def test_a_missing_file_is_named(tmp_path):
+    model_state, optim_state = _states()
+    path = save_checkpoint(tmp_path, 1, model_state, optim_state, {})
+    (path / "optimizer.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="is incomplete: optimizer.safetensors is missing"):
+        load_checkpoint(path)
+
+
+def test_killed_writes_are_removed_and_an_interrupted_swap_restored(tmp_path):
+    model_state, optim_state = _states()
+    path = save_checkpoint(tmp_path, 3, model_state, optim_state, {})
+    root = path.parent
+    (root / f".tmp-step_00000004-{os.getpid()}").mkdir()  # a write killed before its rename
+    path.rename(root / f".old-step_00000003-{os.getpid()}")  # a swap killed between its two renames
+    done = clean_stale(tmp_path)
+    assert len(done) == 2 and any("restored" in line for line in done)
+    assert sorted(p.name for p in root.iterdir()) == ["step_00000003"]
+    assert load_checkpoint(root / "step_00000003")[2]["step"] == 3
