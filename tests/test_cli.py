@@ -91,3 +91,35 @@ def test_cli_errors_name_the_problem(tmp_path, capsys):
     assert main(["data", "prepare", "--input", str(tmp_path / "bad.txt"), "--out", str(tmp_path / "d")]) == 2
     assert "is not valid UTF-8" in capsys.readouterr().err
     assert not (tmp_path / "d").exists()
+
+
+def _parsers(parser, path=("difftx",)):
+    import argparse
+
+    yield path, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _parsers(sub, (*path, name))
+
+
+def test_every_flag_has_help_and_shows_its_default():
+    import argparse
+
+    from difftransformer.apps.cli import build_parser
+
+    for path, parser in _parsers(build_parser()):
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction) or action.dest in ("help", "version"):
+                continue
+            name = " ".join(path) + " " + (action.option_strings[-1] if action.option_strings else action.dest)
+            assert action.help, f"{name} has no help"
+        parser.format_help()  # renders without error
+        for action in parser._actions:
+            if action.option_strings and action.default is not None and action.default is not False:
+                if action.default != argparse.SUPPRESS:
+                    assert "(default" in parser._get_formatter()._get_help_string(action), f"{path} {action.dest}"
+    train = next(p for path, p in _parsers(build_parser()) if path == ("difftx", "train")).format_help()
+    # built from TrainConfig: its defaults, and field names written as flags
+    for line in ("(default 2000)", "(default 0.0015)", "divides --batch-size", "(default min(375, max_steps / 10))"):
+        assert line in " ".join(train.split()), line

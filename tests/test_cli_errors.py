@@ -125,7 +125,7 @@ CASES = [
     (TRAIN + ' --model \'{"attention": "standard"}\'', "--model must not set attention; use --attention"),
     (TRAIN + " --model '{\"vocab_size\": 300}'", "--model sets vocab_size 300, but the data's tokenizer has 257"),
     (TRAIN + " --model '{\"rope_theta\": -5}'", "rope_theta (in --model) must be a finite number in (0, inf]"),
-    (TRAIN + " --preset huge", "--preset must be one of 'tiny', 'small'"),
+    (TRAIN + " --preset huge", "argument --preset: invalid choice: 'huge' (choose from 'tiny', 'small'"),
     (TRAIN + " --attention flash", "argument --attention: invalid choice: 'flash'"),
     ("train --data {w}/data --out {w}/run", "run directory {w}/run already exists and is not empty"),
     ("train --data {w}/data --out {w}/taken", "run directory {w}/taken already exists and is not empty"),

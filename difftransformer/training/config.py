@@ -34,40 +34,69 @@ RESUMABLE = (
 )
 
 
+def _help(text: str, default: str | None = None, choices: tuple[str, ...] | None = None) -> dict:
+    """A field's description for the CLI, which builds `difftx train`'s flags from the fields: the help text, the
+    default as it should read when the field's own default is None (computed later), and the allowed values."""
+    return {"help": text, "default": default, "choices": choices}
+
+
 @dataclass
 class TrainConfig:
     """One training run. The defaults follow the paper (AdamW (0.9, 0.98), lr 1.5e-3, wd 0.05, 375 warmup steps)
     scaled to short runs: warmup is capped at a tenth of the steps."""
 
-    data: str  # a directory made by `difftx data prepare`
-    out: str  # the run directory (not saved in it: a run directory is wherever it is)
-    preset: str = "tiny"
-    attention: str = "diff"
-    model: dict[str, Any] = field(default_factory=dict)  # ModelConfig overrides
-    init_from: str | None = None  # a run directory whose newest weights (and model config) start this run
-    seq_len: int | None = None  # None: min(preset max_seq_len, 256)
-    batch_size: int = 16  # sequences per optimizer step, all processes together
-    grad_accum: int = 1
-    max_steps: int = 2000
-    lr: float = 1.5e-3
-    min_lr_ratio: float = 0.1
-    warmup_steps: int | None = None  # None: min(375, max_steps // 10)
-    betas: tuple[float, float] = (0.9, 0.98)
-    weight_decay: float = 0.05
-    grad_clip: float = 1.0
-    eval_interval: int = 200
-    eval_tokens: int = 1 << 16
-    log_interval: int = 10
-    ckpt_interval: int = 500
-    keep_last: int = 3  # checkpoints kept; 0 keeps all
-    seed: int = 0
-    device: str = "auto"
-    dtype: str = "auto"  # auto: bfloat16 autocast on GPUs that support it, else float32
-    compile: bool = False
-    checkpoint_activations: bool = False
-    parallel: str = "none"
-    threads: int | None = None
-    max_nonfinite_steps: int = 5  # steps in a row with a NaN/Inf loss or gradient that are skipped before stopping
+    data: str = field(
+        metadata=_help("a directory made by `difftx data prepare`; when resuming, where the run's data lies now")
+    )
+    out: str = field(metadata=_help("the run directory (not saved in it: a run directory is wherever it is)"))
+    preset: str = field(default="tiny", metadata=_help("model preset (see `difftx presets`)", choices=tuple(PRESETS)))
+    attention: str = field(default="diff", metadata=_help("the attention kind", choices=ATTENTION_KINDS))
+    model: dict[str, Any] = field(default_factory=dict, metadata=_help('ModelConfig overrides, e.g. {"n_layers": 4}'))
+    init_from: str | None = field(
+        default=None,
+        metadata=_help("a run whose newest weights (and model config) start this run, e.g. a converted model"),
+    )
+    seq_len: int | None = field(
+        default=None, metadata=_help("tokens per training window", default="min(max_seq_len, 256)")
+    )
+    batch_size: int = field(default=16, metadata=_help("sequences per optimizer step, all processes together"))
+    grad_accum: int = field(default=1, metadata=_help("micro-steps per optimizer step; divides `batch_size`"))
+    max_steps: int = field(
+        default=2000, metadata=_help("optimizer steps of the run; when resuming, a larger value trains further")
+    )
+    lr: float = field(default=1.5e-3, metadata=_help("peak learning rate, in (0, 1]"))
+    min_lr_ratio: float = field(
+        default=0.1, metadata=_help("the cosine schedule's final learning rate, as a fraction of lr")
+    )
+    warmup_steps: int | None = field(
+        default=None, metadata=_help("linear warmup steps", default="min(375, max_steps / 10)")
+    )
+    betas: tuple[float, float] = field(default=(0.9, 0.98), metadata=_help("AdamW betas"))
+    weight_decay: float = field(default=0.05, metadata=_help("AdamW weight decay, in [0, 1]"))
+    grad_clip: float = field(default=1.0, metadata=_help("largest gradient norm kept, > 0"))
+    eval_interval: int = field(default=200, metadata=_help("steps between validations"))
+    eval_tokens: int = field(default=1 << 16, metadata=_help("validation tokens per evaluation"))
+    log_interval: int = field(default=10, metadata=_help("steps between rows of metrics.jsonl"))
+    ckpt_interval: int = field(default=500, metadata=_help("steps between checkpoints"))
+    keep_last: int = field(default=3, metadata=_help("checkpoints kept, 0 for all"))
+    seed: int = field(default=0, metadata=_help("seed of the initialisation and the data order"))
+    device: str = field(default="auto", metadata=_help("auto, cpu, cuda, cuda:N or mps"))
+    dtype: str = field(
+        default="auto",
+        metadata=_help(
+            "auto: bfloat16 autocast on GPUs that support it, else float32", choices=("auto", "float32", "bfloat16")
+        ),
+    )
+    compile: bool = field(default=False, metadata=_help("torch.compile each block"))
+    checkpoint_activations: bool = field(
+        default=False, metadata=_help("recompute each block in backward instead of keeping its activations")
+    )
+    parallel: str = field(default="none", metadata=_help("data parallelism, under torchrun", choices=PARALLEL_MODES))
+    threads: int | None = field(default=None, metadata=_help("CPU threads", default="torch's"))
+    max_nonfinite_steps: int = field(
+        default=5,
+        metadata=_help("steps in a row with a NaN/Inf loss or gradient that are skipped before the run stops"),
+    )
 
     def __post_init__(self) -> None:
         if isinstance(self.betas, list):
