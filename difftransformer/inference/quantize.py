@@ -28,9 +28,10 @@ CALIBRATORS = ("absmax", "percentile")
 
 PERCENTILE = 0.9999
 
-# 300 calibration windows: with windows of 256-1024 tokens that is 77k-307k tokens, enough that the 99.99th
-# percentile rests on 8-31 values above it per feature width, and the calibrated ranges of our runs move little
-# beyond it (measured in experiments/reports/quant).
+# 300 calibration windows: with windows of 256-1024 tokens that is 77k-307k tokens, so the 99.99th percentile of a
+# layer's inputs (pooled over its features) has 8-31 values per feature above it on average. Measured on the study's
+# M pairs (experiments/reports/quant, seed 0): the w8a8 loss increase with 30, 100 and 300 absmax windows agrees
+# within 0.0001 nats, so these models would do with 30; 300 is kept as a margin for inputs with longer tails.
 CALIB_SAMPLES = 300
 
 
