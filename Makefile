@@ -11,7 +11,7 @@ comma := ,
 space := $(eval) $(eval)
 INTEROP_PYTHONS := $(subst $(space),$(comma),$(strip $(foreach v,$(INTEROP_VERSIONS),$(CURDIR)/.venv-tf$(v)/bin/python)))
 
-.PHONY: demo test test-interop lint format clean
+.PHONY: demo test test-quick test-interop lint format clean
 
 $(STAMP): requirements-dev.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -25,6 +25,10 @@ demo: $(STAMP)
 
 test: $(STAMP) lint
 	$(BIN)/python -m pytest -q
+
+# the fast tier (under a minute): every test not marked slow
+test-quick: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow"
 
 .venv-tf%/.installed: tests/interop/requirements-%.txt
 	test -x .venv-tf$*/bin/python || $(PYTHON) -m venv .venv-tf$*

@@ -118,6 +118,7 @@ def test_ablations_do_not_export_to_hugging_face():
         to_hf(build(head_norm=False))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "attention, options",
     [

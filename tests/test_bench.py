@@ -2,9 +2,12 @@
 
 import json
 
+import pytest
+
 from difftransformer.apps.cli import main
 
 
+@pytest.mark.slow
 def test_bench_attention_smoke(tmp_path, capsys):
     out = tmp_path / "attn.json"
     assert (
@@ -78,6 +81,7 @@ def test_saved_activation_bytes_counts_what_backward_keeps():
     assert saved_activation_bytes(lambda: torch.relu(x @ w).sum()) == 2 * 4 * 8 * 4
 
 
+@pytest.mark.slow
 def test_bench_train_smoke(tmp_path, capsys):
     out = tmp_path / "train.json"
     assert (

@@ -5,6 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from difftransformer.apps.cli import main
@@ -13,6 +14,7 @@ from difftransformer.apps.demo import run_demo
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_demo_trains_both_and_writes_a_report(capsys, tmp_path, prepared):
     result = run_demo(
         steps=8, eval_every=4, seq_len=64, batch_size=8, out=tmp_path / "demo", data=prepared, sample_tokens=20
@@ -33,11 +35,13 @@ def test_demo_trains_both_and_writes_a_report(capsys, tmp_path, prepared):
     assert (tmp_path / "demo-2" / "report.md").is_file()  # the first report is kept
 
 
+@pytest.mark.slow
 def test_presets_command(capsys):
     assert main(["presets"]) == 0
     assert "13,123,046,400" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_python_dash_m_entry_point():
     proc = subprocess.run([sys.executable, "-m", "difftransformer", "--help"], capture_output=True, text=True)
     assert proc.returncode == 0 and "demo" in proc.stdout

@@ -226,6 +226,7 @@ CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("line, phrase", CASES, ids=[c[0][:60] for c in CASES])
 def test_bad_invocation_exits_2_with_one_line_and_changes_nothing(world, line, phrase, capsys):
     argv = shlex.split(line.replace("{w}", str(world)))

@@ -30,6 +30,7 @@ def test_presets_count_matches_formula_and_pairs_match(name):
     assert abs(counts["diff"] - counts["standard"]) / counts["standard"] < 1e-3
 
 
+@pytest.mark.slow
 def test_paper_sizes_match_their_names():
     sizes = {"830m": 830e6, "1.4b": 1.4e9, "2.8b": 2.8e9, "6.8b": 6.8e9, "13.1b": 13.1e9}
     for name, size in sizes.items():

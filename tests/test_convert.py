@@ -96,6 +96,7 @@ def test_diff_from_llama_head_mapping():
     assert b.lambda_full().item() == pytest.approx(-1.0, abs=1e-5)
 
 
+@pytest.mark.slow
 def test_llama_converted_to_diff_starts_close_and_trains(prepared, tmp_path):
     """A trained standard model -> Llama directory -> DIFF run: its loss starts near the original's, then training
     from it (--init-from) lowers it."""

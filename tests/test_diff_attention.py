@@ -241,6 +241,7 @@ def test_bad_masks_raise_clear_errors():
         attn(x, mask=torch.ones(2, 6, dtype=torch.bool))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl", ["auto", "sdpa", "block"])
 def test_fast_paths_hold_no_full_attention_map(impl):
     """At T=2048 neither forward nor backward allocates a (T, T) float32 map (16 MiB) of even one head."""

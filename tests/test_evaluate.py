@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 from conftest import SMALL, small_config
 
 from difftransformer import load_run
@@ -11,6 +12,7 @@ from difftransformer.training.evaluate import text_bits_per_byte
 from difftransformer.training.loop import train
 
 
+@pytest.mark.slow
 def test_lm_eval_perplexity_matches_our_bits_per_byte(prepared, tmp_path, capsys):
     train(
         small_config(prepared, tmp_path / "run", max_steps=20, lr=3e-3, model={**SMALL, "max_seq_len": 64}), quiet=True
@@ -28,6 +30,7 @@ def test_lm_eval_perplexity_matches_our_bits_per_byte(prepared, tmp_path, capsys
     assert 1.0 < result["lm_eval"]["byte_perplexity"] < 257
 
 
+@pytest.mark.slow
 def test_eval_with_quantized_logits_reports_both(prepared, tmp_path, capsys):
     train(small_config(prepared, tmp_path / "run", max_steps=20, lr=3e-3), quiet=True)
     jsonl = tmp_path / "task.jsonl"

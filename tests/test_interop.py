@@ -182,6 +182,7 @@ def write_report(path: Path, rows: dict) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
+@pytest.mark.slow
 def test_every_export_loads_and_matches_in_every_version(matrix):
     assert len(matrix) == len(CASES) * (1 + len(other_pythons())) ** 2
     for (case, writer, reader), row in matrix.items():
@@ -205,6 +206,7 @@ def llamas(tmp_path_factory) -> dict:
     return found
 
 
+@pytest.mark.slow
 def test_llama_family_checkpoints_import_with_their_tokens_and_scaling(llamas, tmp_path, capsys):
     assert len(llamas) == 2 * (1 + len(other_pythons()))
     reported = []

@@ -154,6 +154,7 @@ def test_document_split_needs_documents_on_both_sides(tmp_path):
         prepare(["x" * 200], ByteTokenizer(), tmp_path / "d", split="paragraphs")
 
 
+@pytest.mark.slow
 def test_data_prepare_cli_splits_by_documents(tmp_path, corpus_dir):
     import subprocess
 
@@ -257,6 +258,7 @@ def toy_study(tmp_path, monkeypatch):
     return out
 
 
+@pytest.mark.slow
 def test_a_toy_study_runs_resumes_and_reports(toy_study):
     result = lm.run(toy_study, "toy", seeds=[0, 1], workers=1)
     assert result["incomplete"] == []
@@ -353,6 +355,7 @@ def test_missing_corpus_names_the_fetch_command(tmp_path):
         lm.study_documents([tmp_path / "sotu"])
 
 
+@pytest.mark.slow
 def test_the_report_of_a_partial_study(toy_study):
     lm.run(toy_study, "toy", parts=("sweep",), seeds=[0, 1], workers=1)
     result = lm_report.analyse(TOY, [0, 1], lm.read_measures(toy_study))
@@ -362,6 +365,7 @@ def test_the_report_of_a_partial_study(toy_study):
         lm.best_lrs(TOY, {})
 
 
+@pytest.mark.slow
 def test_a_diverged_run_is_recorded_and_never_picked(toy_study, monkeypatch):
     from difftransformer.errors import TrainingDiverged
     from difftransformer.training.loop import Trainer
@@ -407,6 +411,7 @@ if __name__ == "__main__":  # spawned workers import this file again
 """
 
 
+@pytest.mark.slow
 def test_ctrl_c_stops_a_parallel_study_at_checkpoints(tmp_path):
     import signal
     import subprocess
@@ -434,6 +439,7 @@ def test_ctrl_c_stops_a_parallel_study_at_checkpoints(tmp_path):
     assert later == steps  # nothing trains on after the study stopped
 
 
+@pytest.mark.slow
 def test_quant_study_on_the_pairs_of_a_toy_study(toy_study, tmp_path, monkeypatch):
     from difftransformer.apps.repro import quant
 

@@ -100,6 +100,7 @@ def test_training_step_reduces_loss():
     assert losses[0] == pytest.approx(math.log(256), abs=0.1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "attention, impl", [("diff", "sdpa"), ("diff", "block"), ("diff_v2", "auto"), ("standard", "auto")]
 )

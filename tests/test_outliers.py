@@ -102,6 +102,7 @@ def test_measuring_leaves_the_model_and_its_outputs_as_they_were():
         torch.testing.assert_close(model.eval()(tokens), before)
 
 
+@pytest.mark.slow
 def test_analyze_outliers_command_writes_the_report(tmp_path, prepared, capsys):
     from conftest import small_config
 

@@ -170,6 +170,7 @@ def tiny_scales(monkeypatch):
     monkeypatch.setattr(icl, "ORDER_SEEDS", 2)
 
 
+@pytest.mark.slow
 def test_repro_all_writes_every_report(tmp_path, tiny_scales, capsys, monkeypatch, corpus_dir):
     from test_lm_study import TOY
 
@@ -205,6 +206,7 @@ def test_repro_all_writes_every_report(tmp_path, tiny_scales, capsys, monkeypatc
     assert "already exists and is not empty" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_repro_allocation_needs_matching_models(tmp_path, tiny_scales, capsys):
     assert main(["repro", "needle", "--seeds", "1", "--workers", "1", "--out", str(tmp_path / "n")]) == 0
     args = ["repro", "allocation", "--seeds", "2", "--models", str(tmp_path / "n"), "--out", str(tmp_path / "a")]
@@ -246,6 +248,7 @@ def test_analyze_attention(tmp_path, capsys):
         assert message in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_logit_bits_change_the_final_evaluation_only(tmp_path, tiny_scales, monkeypatch):
     from difftransformer.apps.repro import suite
     from difftransformer.apps.repro.fit import scaled_spec

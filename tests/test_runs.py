@@ -32,6 +32,7 @@ def half_run(prepared, out: Path) -> Path:
     return out
 
 
+@pytest.mark.slow
 def test_copied_run_resumes_into_the_copy(prepared, tmp_path, full, capsys):
     original = half_run(prepared, tmp_path / "a")
     before = snapshot(original)
@@ -43,6 +44,7 @@ def test_copied_run_resumes_into_the_copy(prepared, tmp_path, full, capsys):
     assert losses(tmp_path / "b") == full
 
 
+@pytest.mark.slow
 def test_moved_run_resumes_from_another_working_directory(prepared, tmp_path, full, monkeypatch):
     monkeypatch.chdir(tmp_path)
     shutil.copytree(prepared, tmp_path / "data-here")
@@ -59,6 +61,7 @@ def test_moved_run_resumes_from_another_working_directory(prepared, tmp_path, fu
     assert losses(tmp_path / "elsewhere" / "y") == full
 
 
+@pytest.mark.slow
 def test_moved_data_is_named_and_found_again_with_data(prepared, tmp_path, full, capsys):
     data = tmp_path / "data-copy"
     shutil.copytree(prepared, data)
@@ -74,6 +77,7 @@ def test_moved_data_is_named_and_found_again_with_data(prepared, tmp_path, full,
     assert losses(run) == full  # the same data, in a new place: nothing changed
 
 
+@pytest.mark.slow
 def test_resume_flags_apply_or_are_refused(prepared, tmp_path, capsys):
     run = half_run(prepared, tmp_path / "run")
     before = snapshot(run)
@@ -121,6 +125,7 @@ def test_a_failed_start_leaves_nothing_behind(prepared, tmp_path, monkeypatch):
     assert list_checkpoints(tmp_path / "run")[-1].name == "step_00000012"
 
 
+@pytest.mark.slow
 def test_a_run_killed_before_its_first_checkpoint_resumes_from_step_0(prepared, tmp_path, full, capsys):
     Trainer(small_config(prepared, tmp_path / "run"), quiet=True).close()  # what SIGKILL at step 1 leaves
     assert not list_checkpoints(tmp_path / "run")
@@ -131,6 +136,7 @@ def test_a_run_killed_before_its_first_checkpoint_resumes_from_step_0(prepared, 
     assert losses(tmp_path / "run") == full
 
 
+@pytest.mark.slow
 def test_killed_writes_are_tidied_and_an_interrupted_swap_is_undone(prepared, tmp_path, full, capsys):
     run = half_run(prepared, tmp_path / "run")
     ckpts = run / "checkpoints"

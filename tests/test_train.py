@@ -23,6 +23,7 @@ def cli(*args, env_extra=None):
     return difftx(*args), env
 
 
+@pytest.mark.slow
 def test_run_writes_metrics_lambda_checkpoints_and_learns(prepared, tmp_path):
     rows = train(
         small_config(
@@ -53,6 +54,7 @@ def test_schedule_warmup_then_cosine():
     assert TrainConfig(data="d", out="o", max_steps=40000).warmup_steps == 375
 
 
+@pytest.mark.slow
 def test_resume_in_process_is_bitwise_identical(prepared, tmp_path):
     train(small_config(prepared, tmp_path / "full"), quiet=True)
     Trainer(small_config(prepared, tmp_path / "part"), quiet=True).fit(until=8)  # stops after the step-8 checkpoint
@@ -60,6 +62,7 @@ def test_resume_in_process_is_bitwise_identical(prepared, tmp_path):
     assert losses(tmp_path / "part") == losses(tmp_path / "full")
 
 
+@pytest.mark.slow
 def test_resume_after_sigkill_is_bitwise_identical(prepared, tmp_path):
     args = ["train", *train_args(prepared, max_steps=300, eval_interval=10, ckpt_interval=7)]
     cmd, env = cli(*args, "--out", str(tmp_path / "full"))
@@ -145,6 +148,7 @@ def test_resume_refuses_other_data(prepared, tmp_path, corpus_dir):
         Trainer(cfg, resume=True, quiet=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
 def test_two_processes_match_one(prepared, tmp_path, parallel):
     args = train_args(prepared, max_steps=6, eval_interval=6, ckpt_interval=6)

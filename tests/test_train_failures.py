@@ -48,6 +48,7 @@ def test_a_nonfinite_step_is_skipped_without_touching_weights_or_optimizer(prepa
     assert [r["step"] for r in metric_rows(tmp_path / "run") if "skipped" in r] == [3]
 
 
+@pytest.mark.slow
 def test_nonfinite_steps_in_a_row_stop_the_run_with_its_last_checkpoint_intact(prepared, tmp_path, monkeypatch, capsys):
     train_calls = {"n": 0}
     real = TransformerLM.forward
@@ -76,6 +77,7 @@ def test_nonfinite_steps_in_a_row_stop_the_run_with_its_last_checkpoint_intact(p
     assert losses(tmp_path / "run") == losses(tmp_path / "full")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("signum, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_a_signal_finishes_the_step_writes_a_checkpoint_and_resumes_exactly(prepared, tmp_path, signum, code):
     flags = train_args(prepared, max_steps=200, eval_interval=50, ckpt_interval=1000)
@@ -110,6 +112,7 @@ def _limit_file_size(limit: int):
     return apply
 
 
+@pytest.mark.slow
 def test_a_failed_checkpoint_write_is_a_clear_error_and_the_last_one_stays(prepared, tmp_path):
     """A write that the OS refuses (here: a file-size limit, as a full disk would) while writing a checkpoint."""
     train(small_config(prepared, tmp_path / "full"), quiet=True)
@@ -137,6 +140,7 @@ def test_a_failed_checkpoint_write_is_a_clear_error_and_the_last_one_stays(prepa
     assert losses(run) == losses(tmp_path / "full")
 
 
+@pytest.mark.slow
 def test_sigterm_to_torchrun_stops_every_process_at_the_same_step(prepared, tmp_path):
     """torchrun passes SIGTERM to its workers; they agree on the step to stop after (an all-reduce each step), the
     main process writes the checkpoint, and the run resumes in one process to the losses of one that never

@@ -32,6 +32,7 @@ def _inputs(b, h, hkv, tq, tk, d, seed=0):
     return [t.to(DEVICE).requires_grad_() for t in (q, k, v, lam)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "b, h, hkv, tq, tk, d, causal",
     [
@@ -97,6 +98,7 @@ def test_supported_shapes():
     assert not triton_diff.supported(q, k[:, :, :, :4], True, None)  # causal with more queries than keys
 
 
+@pytest.mark.slow
 def test_model_training_step_matches_block_path():
     cfg = dict(vocab_size=50, d_model=64, n_layers=2, n_heads=4, max_seq_len=64)
     torch.manual_seed(0)

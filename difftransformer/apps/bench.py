@@ -12,7 +12,8 @@ from pathlib import Path
 import torch
 
 from difftransformer.core.attention import MultiheadAttention, MultiheadDiffAttn
-from difftransformer.core.attention.kernels import diff_attention, standard_attention
+from difftransformer.core.attention.diff import method_of
+from difftransformer.core.attention.kernels import standard_attention
 from difftransformer.core.config import ModelConfig
 from difftransformer.core.model import TransformerLM
 from difftransformer.inference.cache import KVCache
@@ -198,7 +199,7 @@ def _core_standard(q, k, v) -> None:
 
 
 def _core_diff(impl, q, k, v, lam) -> None:
-    diff_attention(q, k, v, lam, scale=q.shape[-1] ** -0.5, impl=impl).sum().backward()
+    method_of(impl)(q, k, v, lam, scale=q.shape[-1] ** -0.5).sum().backward()
 
 
 def format_attention(result: dict) -> str:

@@ -21,6 +21,7 @@ v_proj rows (Hkv, 2d). Query head h reads key/value group h // (H // Hkv) for bo
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -68,6 +69,14 @@ def _materialised(q, k, v, lambda_full, *, scale, causal=True, mask=None) -> tor
     return differential_attention(q, k, v, lambda_full, scale=scale, causal=causal, mask=mask)[0]
 
 
+def method_of(impl: str) -> Callable[..., torch.Tensor]:
+    """The exact method ``impl`` names, as ``(q, k, v, lambda_full, *, scale, causal, mask) -> A``: ``plain`` is the
+    materialised method above, the others are the fast ones of ``kernels.py``."""
+    if impl not in DIFF_IMPLS:
+        raise InputError(f"unknown impl {impl!r}; choose one of {DIFF_IMPLS}")
+    return _materialised if impl == "plain" else diff_method(impl)
+
+
 class MultiheadDiffAttn(AttentionBase):
     """Multi-head differential attention with ``num_heads`` differential heads.
 
@@ -95,10 +104,7 @@ class MultiheadDiffAttn(AttentionBase):
         1 - lambda_init); ``lambda_init`` replaces the layer schedule by a constant."""
         what = "two half-heads per differential head"
         super().__init__(embed_dim, num_heads, layer_idx, num_kv_heads, rope_theta, causal, 2, what, rope_scaling)
-        if impl not in DIFF_IMPLS:
-            raise InputError(f"unknown impl {impl!r}; choose one of {DIFF_IMPLS}")
-        self.impl = impl
-        self.method = _materialised if impl == "plain" else diff_method(impl)
+        self.impl, self.method = impl, method_of(impl)
         d, num_kv_heads = self.head_dim, self.num_kv_heads
         self.q_proj = nn.Linear(embed_dim, 2 * num_heads * d, bias=False)
         self.k_proj = nn.Linear(embed_dim, 2 * num_kv_heads * d, bias=False)
