@@ -1,7 +1,21 @@
+import importlib
 import json
+import os
 
 import pytest
 import torch
+
+EXTRAS = {"transformers": "hf", "lm_eval": "eval", "matplotlib": "plot", "triton": "triton"}
+
+
+def optional(module: str):
+    """Import an optional dependency a test needs. When it is missing the test is skipped with the reason and the
+    install command, except with DIFFTX_REQUIRE_OPTIONAL=1 (make test sets it: the pinned environment has every
+    extra, so nothing is skipped there unseen)."""
+    if os.environ.get("DIFFTX_REQUIRE_OPTIONAL") == "1":
+        return importlib.import_module(module)
+    extra = EXTRAS[module]
+    return pytest.importorskip(module, reason=f"needs {module}: pip install 'difftransformer[{extra}]'")
 
 
 @pytest.fixture(autouse=True)

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import optional
 
 from difftransformer.apps.cli import main
 from difftransformer.apps.demo import run_demo
@@ -16,6 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.mark.slow
 def test_demo_trains_both_and_writes_a_report(capsys, tmp_path, prepared):
+    optional("matplotlib")
     result = run_demo(
         steps=8, eval_every=4, seq_len=64, batch_size=8, out=tmp_path / "demo", data=prepared, sample_tokens=20
     )

@@ -13,8 +13,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-import transformers
-from conftest import SMALL, small_config, snapshot, write_corpus
+from conftest import SMALL, optional, small_config, snapshot, write_corpus
 
 from difftransformer.apps.cli import main
 from difftransformer.inference.quantize import quantize_run
@@ -22,6 +21,8 @@ from difftransformer.training.corpus import find_files, iter_documents
 from difftransformer.training.data import prepare, verify_data
 from difftransformer.training.loop import train
 from difftransformer.training.tokenizer import train_bpe
+
+transformers = optional("transformers")
 
 REPORT: list[tuple[str, int, str]] = []
 

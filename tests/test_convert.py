@@ -2,12 +2,13 @@
 
 import pytest
 import torch
-import transformers
-from conftest import SMALL, small_config
+from conftest import SMALL, optional, small_config
 
 from difftransformer import generate, load_run
 from difftransformer.apps.cli import main
 from difftransformer.training.loop import train
+
+transformers = optional("transformers")
 
 
 def small_run(prepared, out, attention):

@@ -3,7 +3,7 @@
 import json
 
 import pytest
-from conftest import SMALL, small_config
+from conftest import SMALL, optional, small_config
 
 from difftransformer import load_run
 from difftransformer.apps.cli import main
@@ -14,6 +14,7 @@ from difftransformer.training.loop import train
 
 @pytest.mark.slow
 def test_lm_eval_perplexity_matches_our_bits_per_byte(prepared, tmp_path, capsys):
+    optional("lm_eval")
     train(
         small_config(prepared, tmp_path / "run", max_steps=20, lr=3e-3, model={**SMALL, "max_seq_len": 64}), quiet=True
     )

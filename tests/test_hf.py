@@ -6,11 +6,12 @@ the converter's permutation and weight folding are checked by comparing logits, 
 
 import pytest
 import torch
-import transformers
-from conftest import randomize_diff_params
+from conftest import optional, randomize_diff_params
 
 from difftransformer import ModelConfig, TransformerLM
 from difftransformer.interop.hf import from_hf, to_hf
+
+transformers = optional("transformers")
 
 TOL = 1e-4
 

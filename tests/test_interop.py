@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import transformers
+from conftest import optional
 
 from difftransformer import ModelConfig, TransformerLM, generate, load_run
 from difftransformer.apps.cli import main
@@ -31,6 +31,7 @@ from difftransformer.training.tokenizer import ByteTokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 CHECK = ROOT / "tests" / "interop" / "check.py"
+transformers = optional("transformers")  # before check.py, which imports it
 sys.path.insert(0, str(CHECK.parent))
 from check import PROMPT  # noqa: E402
 

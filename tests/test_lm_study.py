@@ -7,6 +7,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from conftest import optional
 
 from difftransformer.apps.repro import lm, lm_measure, lm_report
 from difftransformer.apps.repro.scaling import PowerLaw, fit_power_law, fraction_needed, t_interval
@@ -260,6 +261,7 @@ def toy_study(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_a_toy_study_runs_resumes_and_reports(toy_study):
+    optional("matplotlib")
     result = lm.run(toy_study, "toy", seeds=[0, 1], workers=1)
     assert result["incomplete"] == []
     measures = lm.read_measures(toy_study)
@@ -441,6 +443,7 @@ def test_ctrl_c_stops_a_parallel_study_at_checkpoints(tmp_path):
 
 @pytest.mark.slow
 def test_quant_study_on_the_pairs_of_a_toy_study(toy_study, tmp_path, monkeypatch):
+    optional("matplotlib")
     from difftransformer.apps.repro import quant
 
     lm.run(toy_study, "toy", parts=("sweep", "grid"), seeds=[0, 1], workers=1)

@@ -5,6 +5,7 @@ import math
 
 import pytest
 import torch
+from conftest import optional
 
 from difftransformer.apps.outliers import measure
 from difftransformer.core.config import ModelConfig
@@ -104,6 +105,7 @@ def test_measuring_leaves_the_model_and_its_outputs_as_they_were():
 
 @pytest.mark.slow
 def test_analyze_outliers_command_writes_the_report(tmp_path, prepared, capsys):
+    optional("matplotlib")
     from conftest import small_config
 
     from difftransformer.apps.cli import main

@@ -6,6 +6,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from conftest import optional
 
 from difftransformer import TransformerLM
 from difftransformer.apps.analysis import allocation, attention_maps
@@ -172,6 +173,7 @@ def tiny_scales(monkeypatch):
 
 @pytest.mark.slow
 def test_repro_all_writes_every_report(tmp_path, tiny_scales, capsys, monkeypatch, corpus_dir):
+    optional("matplotlib")
     from test_lm_study import TOY
 
     from difftransformer.apps.repro import lm
@@ -223,6 +225,7 @@ def test_repro_allocation_needs_matching_models(tmp_path, tiny_scales, capsys):
 
 
 def test_analyze_attention(tmp_path, capsys):
+    optional("matplotlib")
     torch.manual_seed(0)
     model = TransformerLM(ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, max_seq_len=16))
     run = {"attention": "diff", "seed": 0, "config": model.config.to_dict(), "state": model.state_dict()}

@@ -209,10 +209,9 @@ def study_context(path: Path = STUDY) -> list[str]:
 
 def write_report(run_dir: Path, rows: dict[str, list[dict]], summary: dict) -> None:
     """report.md, summary.json, loss_curves.png and lambda.png."""
-    import matplotlib
+    from difftransformer.apps.repro.report import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(7, 4))
     for kind, color in zip(KINDS, ("tab:red", "tab:blue"), strict=True):

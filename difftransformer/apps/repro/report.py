@@ -5,6 +5,8 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
+from difftransformer.errors import InputError
+
 PAIR = ("diff", "standard")
 NAMES = {"diff": "DIFF", "standard": "standard"}
 COLORS = {"diff": "tab:red", "standard": "tab:blue"}
@@ -53,7 +55,11 @@ def images(task: str) -> str:
 
 
 def pyplot():
-    import matplotlib
+    """matplotlib's pyplot on the file-only Agg backend (figures are written, never shown)."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise InputError("the figures need matplotlib: pip install 'difftransformer[plot]'") from None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
