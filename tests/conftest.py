@@ -5,6 +5,10 @@ import os
 import pytest
 import torch
 
+# lambda_init = 0.8 - 0.6 exp(-0.3 l) for layers l = 0..12, to 4 decimals (docs/paper.md section 1), written out so
+# that no test re-types the formula it checks
+LAMBDA_INIT = (0.2, 0.3555, 0.4707, 0.5561, 0.6193, 0.6661, 0.7008, 0.7265, 0.7456, 0.7597, 0.7701, 0.7779, 0.7836)
+
 EXTRAS = {"transformers": "hf", "lm_eval": "eval", "matplotlib": "plot", "triton": "triton"}
 
 

@@ -5,7 +5,7 @@ import math
 
 import pytest
 import torch
-from conftest import small_config
+from conftest import LAMBDA_INIT, small_config
 
 from difftransformer.core.config import ModelConfig
 from difftransformer.core.model import TransformerLM
@@ -49,7 +49,7 @@ def test_constant_lambda_init_changes_only_lambda_init():
     for name, value in ablated.state_dict().items():
         assert torch.equal(value, ref.state_dict()[name]), name
     for i, (a, b) in enumerate(zip(ref.layers, ablated.layers, strict=True)):
-        assert a.attn.lambda_init == pytest.approx(0.8 - 0.6 * math.exp(-0.3 * i))
+        assert a.attn.lambda_init == pytest.approx(LAMBDA_INIT[i], abs=5e-5)
         assert b.attn.lambda_init == 0.5
         assert (b.attn.lambda_full() - a.attn.lambda_full()).item() == pytest.approx(0.5 - a.attn.lambda_init)
     assert not torch.allclose(ref(tokens()), ablated(tokens()))

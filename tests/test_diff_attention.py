@@ -1,11 +1,10 @@
 """Differential attention V1 against the paper's equations (tests/reference.py) and its properties."""
 
-import math
 import warnings
 
 import pytest
 import torch
-from conftest import randomize_diff_params
+from conftest import LAMBDA_INIT, randomize_diff_params
 from reference import diff_attn_v1
 
 from difftransformer import MultiheadDiffAttn
@@ -71,7 +70,7 @@ def test_reference_state_dict_loads_strict_float32():
 @pytest.mark.parametrize("layer_idx", range(13))
 def test_lambda_init_schedule(layer_idx):
     attn = MultiheadDiffAttn(32, 2, layer_idx)
-    assert attn.lambda_init == pytest.approx(0.8 - 0.6 * math.exp(-0.3 * layer_idx))
+    assert attn.lambda_init == pytest.approx(LAMBDA_INIT[layer_idx], abs=5e-5)
     assert MultiheadDiffAttn(32, 2, 0).lambda_init == pytest.approx(0.2)
 
 

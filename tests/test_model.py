@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+from conftest import LAMBDA_INIT
 
 from difftransformer import ModelConfig, TransformerLM
 
@@ -25,7 +26,7 @@ def test_each_layer_knows_its_index():
     model = TransformerLM(ModelConfig.preset("tiny"))
     for i, block in enumerate(model.layers):
         assert block.attn.layer_idx == i
-        assert block.attn.lambda_init == pytest.approx(0.8 - 0.6 * math.exp(-0.3 * i))
+        assert block.attn.lambda_init == pytest.approx(LAMBDA_INIT[i], abs=5e-5)
         assert block.attn.num_heads == 4 and block.attn.head_dim == 16
 
 
