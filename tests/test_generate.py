@@ -25,7 +25,7 @@ def test_cached_decoding_equals_full_forward(attention, n_kv_heads, impl):
     tokens = torch.randint(0, 256, (2, 40))
     with torch.no_grad():
         full = model(tokens)
-        cache = KVCache(48)
+        cache = KVCache(model, 2, 48)
         steps = [model(tokens[:, :25], cache=cache)] + [model(tokens[:, i : i + 1], cache=cache) for i in range(25, 40)]
     assert cache.length == 40
     assert (torch.cat(steps, 1) - full).abs().max().item() < 1e-5

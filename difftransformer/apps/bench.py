@@ -356,19 +356,48 @@ def format_train(result: dict) -> str:
     return "\n".join(lines)
 
 
-def _decode_seconds(model: TransformerLM, context: int, tokens: int) -> list[float]:
-    """Seconds of each one-token decode step after a prefill of ``context`` random tokens (batch 1)."""
-    cache = KVCache(context + tokens + 1)
-    token = torch.randint(0, model.config.vocab_size, (1, 1))
+def _decode_seconds(model, context: int, tokens: int) -> list[float]:
+    """Seconds of each one-token decode step after a prefill of ``context`` random tokens (batch 1). ``model`` may be
+    ``torch.compile(TransformerLM)``: every step has the same shapes (the cache's fixed slots), so it compiles once
+    per context, in the warm-up step."""
+    lm = getattr(model, "_orig_mod", model)
+    cache = KVCache(lm, 1, context + tokens + 1)
+    token = torch.randint(0, lm.config.vocab_size, (1, 1))
     with torch.no_grad():
-        model(torch.randint(0, model.config.vocab_size, (1, context)), cache=cache)
-        model(token, cache=cache)  # warm-up step
+        lm(torch.randint(0, lm.config.vocab_size, (1, context)), cache=cache)  # eager prefill: slots 0..context-1
+        model(token, cache=cache, slots=torch.tensor([context]))  # warm-up step
         times = []
-        for _ in range(tokens):
+        for i in range(1, tokens + 1):
+            slot = torch.tensor([context + i])
             start = time.perf_counter()
-            model(token, cache=cache)
+            model(token, cache=cache, slots=slot)
             times.append(time.perf_counter() - start)
     return times
+
+
+class _HFGenerate:
+    """A transformers model timed through its own ``generate()`` (greedy, its default dynamic cache)."""
+
+    def __init__(self, hf_model) -> None:
+        self.model = hf_model.eval()
+
+    def seconds(self, context: int, tokens: int) -> list[float]:
+        """Seconds per decode step: (generate of 1 + tokens new tokens - generate of 1) / tokens, batch 1."""
+        ids = torch.randint(0, self.model.config.vocab_size, (1, context))
+        timed = {}
+        with torch.no_grad():
+            self._generate(ids, 2)  # warm-up
+            for new in (1, tokens + 1):
+                start = time.perf_counter()
+                self._generate(ids, new)
+                timed[new] = time.perf_counter() - start
+        return [(timed[tokens + 1] - timed[1]) / tokens]
+
+    def _generate(self, ids: torch.Tensor, new: int) -> None:
+        self.model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new, do_sample=False,
+            pad_token_id=0,
+        )  # fmt: skip
 
 
 def _decode_rows(models: dict[str, TransformerLM], contexts: list[int], tokens: int, repeats: int) -> list[dict]:
@@ -378,18 +407,38 @@ def _decode_rows(models: dict[str, TransformerLM], contexts: list[int], tokens: 
         samples: dict[str, list[float]] = {name: [] for name in models}
         for _ in range(repeats):
             for name, model in models.items():
-                samples[name] += _decode_seconds(model, context, tokens)
+                if isinstance(model, _HFGenerate):
+                    samples[name] += model.seconds(context, tokens)
+                else:
+                    samples[name] += _decode_seconds(model, context, tokens)
         rows.append({"context": context, "tokens_per_s": {n: 1 / statistics.median(t) for n, t in samples.items()}})
     return rows
 
 
-def bench_decode(contexts: list[int], preset: str = "small", tokens: int = 32, repeats: int = 3) -> dict:
-    """Decode tokens/s with a KV cache, DIFF vs standard built from the same preset (batch 1)."""
+def bench_decode(
+    contexts: list[int],
+    preset: str = "small",
+    tokens: int = 32,
+    repeats: int = 3,
+    compile: bool = False,
+    hf: bool = False,
+) -> dict:
+    """Decode tokens/s with a KV cache, DIFF vs standard built from the same preset (batch 1); with ``compile`` also
+    each model's decode step under torch.compile (fullgraph); with ``hf`` also the same weights exported to
+    transformers (DiffLlama, Llama) and timed through ``generate()``."""
     models = {}
     for attention in ("diff", "standard"):
         torch.manual_seed(0)
         cfg = ModelConfig.preset(preset, attention=attention, max_seq_len=max(contexts) + tokens + 1)
         models[attention] = TransformerLM(cfg).eval()
+    if compile:
+        for attention in ("diff", "standard"):
+            models[f"{attention}-compiled"] = torch.compile(models[attention], fullgraph=True, dynamic=False)
+    if hf:
+        from difftransformer.interop.hf import to_hf
+
+        for attention in ("diff", "standard"):
+            models[f"hf-{attention}"] = _HFGenerate(to_hf(models[attention]))
     rows = _decode_rows(models, contexts, tokens, repeats)
     cfg = models["diff"].config
     return _result(
@@ -423,6 +472,36 @@ def format_decode(result: dict) -> str:
     for row in result["rows"]:
         t = row["tokens_per_s"]
         lines.append(f"| {row['context']} | {t['standard']:.1f} | {t['diff']:.1f} | {t['diff'] / t['standard']:.2f} |")
+    if "diff-compiled" in result["rows"][0]["tokens_per_s"]:
+        lines += [
+            "",
+            "torch.compile (fullgraph) of each model's decode step, same weights and cache:",
+            "",
+            "| context | standard tokens/s | DIFF tokens/s | DIFF / standard | standard vs eager | DIFF vs eager |",
+            "|---|---|---|---|---|---|",
+        ]
+        for row in result["rows"]:
+            t = row["tokens_per_s"]
+            sc, dc = t["standard-compiled"], t["diff-compiled"]
+            lines.append(
+                f"| {row['context']} | {sc:.1f} | {dc:.1f} | {dc / sc:.2f} | {sc / t['standard']:.2f} | "
+                f"{dc / t['diff']:.2f} |"
+            )
+    if "hf-diff" in result["rows"][0]["tokens_per_s"]:
+        lines += [
+            "",
+            "transformers generate() on the same weights (DiffLlama, Llama; greedy, dynamic cache; per-token time from",
+            "generate of 1 + N tokens minus generate of 1):",
+            "",
+            "| context | HF Llama tokens/s | HF DiffLlama tokens/s | DIFF / HF DiffLlama | standard / HF Llama |",
+            "|---|---|---|---|---|",
+        ]
+        for row in result["rows"]:
+            t = row["tokens_per_s"]
+            lines.append(
+                f"| {row['context']} | {t['hf-standard']:.1f} | {t['hf-diff']:.1f} | {t['diff'] / t['hf-diff']:.2f} | "
+                f"{t['standard'] / t['hf-standard']:.2f} |"
+            )
     return "\n".join(lines)
 
 

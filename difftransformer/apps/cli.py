@@ -74,7 +74,7 @@ def _bench(args: argparse.Namespace) -> int:
             result = bench.bench_quantized(args.run, args.context, args.tokens, args.repeats)
             print(bench.format_quantized(result))
         else:
-            result = bench.bench_decode(args.context, args.preset, args.tokens, args.repeats)
+            result = bench.bench_decode(args.context, args.preset, args.tokens, args.repeats, args.compile, args.hf)
             print(bench.format_decode(result))
     finally:
         torch.set_num_threads(threads)
@@ -468,6 +468,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--threads", type=_at_least(1), default=1, help="CPU threads")
     bench.add_argument("--device", default="cpu", help="attention, train: cpu or cuda")
     bench.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="attention/train")
+    bench.add_argument("--compile", action="store_true", help="decode: also each model's step under torch.compile")
+    bench.add_argument("--hf", action="store_true", help="decode: also transformers generate() on the same weights")
     bench.add_argument("--json", help="also write the results to this JSON file")
 
     repro = _command(

@@ -19,9 +19,10 @@ import torch
 from torch import nn
 
 from difftransformer.core.attention import ATTENTION, MultiheadDiffAttn
-from difftransformer.core.attention.common import KVStore, rotary_of
+from difftransformer.core.attention.common import KVStore, expand_mask
 from difftransformer.core.config import ModelConfig
 from difftransformer.core.layers import RMSNorm, SwiGLU
+from difftransformer.core.rotary import rotary_angles
 from difftransformer.errors import InputError
 
 
@@ -62,6 +63,7 @@ class TransformerLM(nn.Module):
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.embed.weight
+        self._rotary_tables()
         self.reset_parameters(init_seed)
 
     @torch.no_grad()
@@ -97,24 +99,70 @@ class TransformerLM(nn.Module):
         mask: torch.Tensor | None = None,
         positions: torch.Tensor | None = None,
         cache: KVStore | None = None,
+        slots: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """tokens: (B, T) int64 -> logits (B, T, vocab_size).
 
-        mask: optional boolean (B, Tk) padding mask (True for real tokens) or (B, T, Tk) attention mask, where
-        Tk = T, or the cached positions plus T with a cache.
-        positions: optional (T,) or (B, T) positions for the rotary embedding (default 0..T-1, or after the cache).
-        cache: optional KVStore (difftransformer.inference.cache): keys and values of earlier positions, extended here.
+        mask: optional boolean (B, T) padding mask (True for real tokens) or (B, T, T) attention mask; with a cache
+        they cover the cache's slots instead of T: (B, L) or (B, T, L).
+        positions: optional (T,) or (B, T) positions for the rotary embedding (default 0..T-1, or the slots).
+        cache: optional KVStore (difftransformer.inference.cache.KVCache): this pass's keys and values are written at
+        ``slots`` (default: the next T after ``cache.length``, which then advances) and every slot is attended.
         """
-        self._check_tokens(tokens, 0 if cache is None else cache.length)
+        auto_slots = cache is not None and slots is None
+        self._check_tokens(tokens, cache.length if auto_slots else 0, cache)
+        b, t = tokens.shape
+        if cache is not None:
+            if auto_slots:
+                slots = torch.arange(cache.length, cache.length + t, device=tokens.device)
+            cache.prepare(slots, mask)  # one mask for every layer: the slots each query sees
+            mask, positions = None, slots if positions is None else positions
+        elif mask is not None:
+            mask = expand_mask(mask, b, t, t)  # normalised once for every layer
         x = self.embed(tokens)
-        rotary = rotary_of(self.layers[0].attn, x, positions, cache, None)  # the same angles for every layer
+        rotary = self.rotary(positions, t)
         for block in self.layers:
             x = block(x, mask=mask, positions=positions, cache=cache, rotary=rotary)
-        if cache is not None:
-            cache.advance(tokens.shape[1])
+        if auto_slots:
+            cache.length += t
         return self.lm_head(self.norm(x))
 
-    def _check_tokens(self, tokens: torch.Tensor, cached: int) -> None:
+    def rotary(self, positions: torch.Tensor | None, t: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """cos and sin of ``positions`` ((T,) or (B, T); default 0..T-1), read from the model's tables."""
+        if self.rope_cos is None:
+            return None
+        if positions is None:
+            return self.rope_cos[:t], self.rope_sin[:t]
+        if positions.shape[-1] != t:
+            raise InputError(f"positions has {positions.shape[-1]} entries for a sequence of {t} tokens")
+        if not torch.compiler.is_compiling() and positions.device.type != "meta" and positions.numel():
+            if positions.min() < 0 or positions.max() >= self.config.max_seq_len:
+                raise InputError(
+                    f"positions must lie in [0, {self.config.max_seq_len}) (the model's max_seq_len), got "
+                    f"{int(positions.min())} to {int(positions.max())}"
+                )
+        return self.rope_cos[positions], self.rope_sin[positions]
+
+    def _rotary_tables(self) -> None:
+        """The rotary angles' cos and sin for every position up to max_seq_len, as (non-saved) buffers, in float32
+        (float64 for a float64 model): kept at that precision whatever dtype the model is cast to."""
+        cfg, like = self.config, self.embed.weight
+        if cfg.rope_theta is None:
+            self.rope_cos = self.rope_sin = None
+            return
+        positions = torch.arange(cfg.max_seq_len, device=like.device)
+        dtype = torch.promote_types(like.dtype, torch.float32)
+        cos, sin = rotary_angles(positions, cfg.attention_head_dim, cfg.rope_theta, dtype, cfg.rope_scaling)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def _apply(self, fn, recurse=True):
+        self.rope_cos = self.rope_sin = None  # derived from the config: dropped, then rebuilt on the new device
+        super()._apply(fn, recurse)
+        self._rotary_tables()
+        return self
+
+    def _check_tokens(self, tokens: torch.Tensor, cached: int, cache: KVStore | None) -> None:
         if tokens.dim() != 2 or tokens.dtype not in (torch.int64, torch.int32):
             raise InputError(f"tokens must be a (batch, seq) integer tensor, got {tuple(tokens.shape)} {tokens.dtype}")
         t = tokens.shape[1] + cached
@@ -123,6 +171,8 @@ class TransformerLM(nn.Module):
                 f"sequence of {t} tokens is longer than the model's context max_seq_len={self.config.max_seq_len}; "
                 "shorten the input or build the model with a larger max_seq_len"
             )
+        if cache is not None and t > cache.max_len:
+            raise InputError(f"the cache holds {cache.max_len} slots; {t} were asked for")
         if (  # a data-dependent check: skipped while torch.compile traces, so the forward has no graph break
             not torch.compiler.is_compiling()
             and tokens.device.type != "meta"

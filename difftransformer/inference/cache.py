@@ -1,8 +1,11 @@
-"""KVCache: preallocated keys and values of every layer, for prefill then one-token decode steps.
+"""KVCache: fixed buffers for the keys and values of every layer, written at given slots (gpt-fast's design).
 
-Each attention module stores its keys and values in its own layout with the sequence on dimension -2
-(differential V1: keys (B, Hkv, 2, T, d) and values (B, Hkv, T, 2d); standard and V2: (B, Hkv, T, d)), so the
-cache holds exactly what the model reads: 2 * Hkv * d keys and values per token for V1, as for the baseline.
+The buffers are allocated once, for ``batch`` rows and ``max_len`` slots, in each attention module's own layout with
+the sequence on dimension -2 (differential V1: keys (B, Hkv, 2, L, d) and values (B, Hkv, L, 2d); standard and V2:
+(B, Hkv, L, d)). The cache holds exactly what the model reads: ``2 Hkv d`` keys and values per token for V1, as for
+the baseline. Every forward pass writes its tokens' keys and values at its ``slots`` and attends over all ``max_len``
+slots, with a mask that lets the query in slot i see the slots up to i (and, with a padding mask, only real tokens).
+All shapes are fixed from prefill to the last decode step, so ``torch.compile`` compiles one decode step for all.
 """
 
 from __future__ import annotations
@@ -13,27 +16,51 @@ from difftransformer.errors import InputError
 
 
 class KVCache:
-    """Keys and values of positions [0, length) for every layer, in buffers of max_len positions."""
+    """Keys and values of every layer of ``model`` for ``batch`` rows and ``max_len`` slots.
 
-    def __init__(self, max_len: int) -> None:
-        self.max_len = max_len
-        self.length = 0
-        self._keys: dict[int, torch.Tensor] = {}
-        self._values: dict[int, torch.Tensor] = {}
+    ``TransformerLM.forward(tokens, cache=cache)`` writes at slots ``length .. length + T - 1`` and advances
+    ``length``; with ``slots=`` the caller chooses the slots and keeps ``length`` itself (a compiled decode step).
+    """
+
+    def __init__(self, model: torch.nn.Module, batch: int, max_len: int | None = None) -> None:
+        max_len = model.config.max_seq_len if max_len is None else max_len
+        if not 1 <= max_len <= model.config.max_seq_len:
+            raise InputError(
+                f"a cache holds 1 to the model's max_seq_len={model.config.max_seq_len} slots, got {max_len}"
+            )
+        like = model.embed.weight
+        self.max_len, self.length = max_len, 0
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        for block in model.layers:
+            key_shape, value_shape = block.attn.cache_shapes(batch, max_len)
+            self.keys.append(torch.zeros(key_shape, dtype=like.dtype, device=like.device))
+            self.values.append(torch.zeros(value_shape, dtype=like.dtype, device=like.device))
+        self.slots: torch.Tensor | None = None
+        self.mask: torch.Tensor | None = None
+
+    def prepare(self, slots: torch.Tensor, padding: torch.Tensor | None = None) -> None:
+        """Set the slots (T,) that the next forward pass writes, and its attention mask (B|1, 1, T, max_len): slot j
+        is visible to the query in slot i when j <= i and, with ``padding`` (a boolean (B, max_len) key mask, or a
+        (B, T, max_len) / (B, 1, T, max_len) mask), where it is True."""
+        visible = torch.arange(self.max_len, device=slots.device)[None, :] <= slots[:, None]  # (T, max_len)
+        mask = visible[None, None]
+        if padding is not None:
+            if padding.dtype != torch.bool:
+                raise InputError(f"attention mask must be boolean (True = may attend), got dtype {padding.dtype}")
+            if padding.shape[-1] != self.max_len:
+                raise InputError(
+                    f"with a cache the attention mask covers its {self.max_len} slots, got {tuple(padding.shape)}"
+                )
+            padding = (
+                padding[:, None, None] if padding.dim() == 2 else padding[:, None] if padding.dim() == 3 else padding
+            )
+            mask = mask & padding
+        self.slots, self.mask = slots, mask
 
     def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store new entries (sequence on dim -2) after position ``length``; return all entries so far (views)."""
-        start, end = self.length, self.length + k.shape[-2]
-        if end > self.max_len:
-            raise InputError(f"the cache holds {self.max_len} positions; {end} were asked for")
-        if layer_idx not in self._keys:
-            self._keys[layer_idx] = k.new_zeros(*k.shape[:-2], self.max_len, k.shape[-1])
-            self._values[layer_idx] = v.new_zeros(*v.shape[:-2], self.max_len, v.shape[-1])
-        keys, values = self._keys[layer_idx], self._values[layer_idx]
-        keys[..., start:end, :] = k
-        values[..., start:end, :] = v
-        return keys[..., :end, :], values[..., :end, :]
-
-    def advance(self, n: int) -> None:
-        """Mark n more positions as filled (the model calls this once all its layers have stored them)."""
-        self.length += n
+        """Write this pass's keys and values (sequence on dim -2) at the prepared slots; return all ``max_len``."""
+        keys, values = self.keys[layer_idx], self.values[layer_idx]
+        keys.index_copy_(keys.dim() - 2, self.slots, k.to(keys.dtype))
+        values.index_copy_(values.dim() - 2, self.slots, v.to(values.dtype))
+        return keys, values

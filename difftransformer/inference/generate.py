@@ -118,8 +118,8 @@ def generate(
     positions = (keys.long().cumsum(-1) - 1).clamp(min=0)
     was_training = model.training
     model.eval()
-    cache = KVCache(total)
-    mask = keys[:, :width] if b > 1 else None
+    cache = KVCache(model, b, total)
+    mask = keys if b > 1 else None  # over the cache's slots: the padding is never attended
     logits = model(tokens, mask=mask, positions=positions[:, :width], cache=cache)[:, -1]
     out: list[list[int]] = [[] for _ in range(b)]
     done = [False] * b
@@ -139,7 +139,6 @@ def generate(
         if all(done) or step == max_new_tokens - 1:
             break
         end = width + step + 1
-        mask = keys[:, :end] if b > 1 else None
         logits = model(nxt[:, None], mask=mask, positions=positions[:, end - 1 : end], cache=cache)[:, -1]
     model.train(was_training)
     return out if batched else out[0]

@@ -14,10 +14,15 @@ from difftransformer.errors import InputError
 
 class KVStore(Protocol):
     """What the attention modules need of a key/value cache (``difftransformer.inference.cache.KVCache`` is one):
-    the number of positions already stored, and ``update`` to store a layer's new keys and values (sequence on
-    dim -2) after them and return all stored so far."""
+    the slots (T,) this pass writes, the mask (B|1, 1, T, L) over all L slots (causality included), and ``update``,
+    which writes a layer's new keys and values (sequence on dim -2) at the slots and returns all L."""
 
-    length: int
+    slots: torch.Tensor
+    mask: torch.Tensor
+    length: int  # slots filled by passes that let the model choose the slots
+    max_len: int
+
+    def prepare(self, slots: torch.Tensor, padding: torch.Tensor | None = None) -> None: ...
 
     def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
 
@@ -47,6 +52,11 @@ class AttentionBase(nn.Module):
         self.layer_idx, self.rope_theta, self.causal = layer_idx, rope_theta, causal
         self.rope_scaling = rope_scaling
         self.scaling = self.head_dim**-0.5
+
+    def cache_shapes(self, batch: int, slots: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Shapes of this layer's cached keys and values, (B, Hkv, L, d) each (differential V1 overrides it)."""
+        shape = (batch, self.num_kv_heads, slots, self.head_dim)
+        return shape, shape
 
 
 def check_heads(embed_dim: int, num_heads: int, num_kv_heads: int, per_head: int, what: str) -> int:
@@ -132,7 +142,7 @@ def rotary_of(
         return rotary
     t = x.shape[1]
     if positions is None and cache is not None:
-        positions = torch.arange(cache.length, cache.length + t, device=x.device)
+        positions = cache.slots
     return rotary_for(positions, t, attn.head_dim, attn.rope_theta, x, attn.rope_scaling)
 
 

@@ -174,10 +174,11 @@ class MultiheadDiffAttn(AttentionBase):
         q, k, v, mask = self._project(x, mask, positions, cache, rotary)
         lam = self.lambda_full()
         weights = None
+        causal = self.causal and cache is None  # with a cache, its mask says what each slot sees
         if need_weights or active_probe() is not None:  # the maps are wanted, or their logits observed
-            attn, weights = differential_attention(q, k, v, lam, scale=self.scaling, causal=self.causal, mask=mask)
+            attn, weights = differential_attention(q, k, v, lam, scale=self.scaling, causal=causal, mask=mask)
         else:  # the same A by the exact method chosen at construction, without holding the maps
-            attn = self.method(q, k, v, lam, scale=self.scaling, causal=self.causal, mask=mask)
+            attn = self.method(q, k, v, lam, scale=self.scaling, causal=causal, mask=mask)
         if self.subln is not None:  # RMSNorm(A) * (1 - lambda_init), the factor folded into the norm's weight
             attn = self.subln(attn, scale=1 - self.lambda_init)  # (B, H, T, 2d)
         else:  # the ablation without the per-head norm keeps the factor
@@ -198,9 +199,15 @@ class MultiheadDiffAttn(AttentionBase):
         q = q.permute(0, 2, 3, 1, 4)  # (B, H, 2, T, d)
         k = k.permute(0, 2, 3, 1, 4)  # (B, Hkv, 2, T, d)
         v = v.transpose(1, 2)  # (B, Hkv, T, 2d)
-        if cache is not None:
-            k, v = cache.update(self.layer_idx, k, v)  # (B, Hkv, 2, Tk, d), (B, Hkv, Tk, 2d)
+        if cache is not None:  # all L slots: (B, Hkv, 2, L, d), (B, Hkv, L, 2d), and the cache's mask
+            k, v = cache.update(self.layer_idx, k, v)
+            return q, k, v, cache.mask
         return q, k, v, expand_mask(mask, b, t, v.shape[-2])
+
+    def cache_shapes(self, batch: int, slots: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Shapes of this layer's cached keys and values: (B, Hkv, 2, L, d) and (B, Hkv, L, 2d)."""
+        d = self.head_dim
+        return (batch, self.num_kv_heads, 2, slots, d), (batch, self.num_kv_heads, slots, 2 * d)
 
     @torch.no_grad()
     def softmax_maps(

@@ -73,11 +73,13 @@ class MultiheadDiffAttnV2(AttentionBase):
         d, h = self.head_dim, self.num_heads
         rotary = rotary_of(self, x, positions, cache, rotary)
         q, k, v = project_heads(self, x, rotary, 2 * h)  # (B, heads, T, d)
-        if cache is not None:
-            k, v = cache.update(self.layer_idx, k, v)  # (B, Hkv, Tk, d)
-        mask = expand_mask(mask, b, t, v.shape[-2])
+        if cache is not None:  # all L slots (B, Hkv, L, d), and the cache's mask (causality included)
+            k, v = cache.update(self.layer_idx, k, v)
+            mask = cache.mask
+        else:
+            mask = expand_mask(mask, b, t, v.shape[-2])
         attn, probs = standard_attention(
-            q, k, v, scale=self.scaling, causal=self.causal, mask=mask, need_weights=need_weights
+            q, k, v, scale=self.scaling, causal=self.causal and cache is None, mask=mask, need_weights=need_weights
         )  # (B, 2H, T, d)
         lam = self.lambda_full(x)  # (B, H, T, 1)
         attn = attn[:, 0::2] - lam.to(attn.dtype) * attn[:, 1::2]  # (B, H, T, d)

@@ -72,11 +72,13 @@ class MultiheadAttention(AttentionBase):
         q, k, v = project_heads(
             self, x, rotary_of(self, x, positions, cache, rotary), self.num_heads
         )  # (B, heads, T, d)
-        if cache is not None:
-            k, v = cache.update(self.layer_idx, k, v)  # (B, Hkv, Tk, d)
-        mask = expand_mask(mask, b, t, v.shape[-2])
+        if cache is not None:  # all L slots (B, Hkv, L, d), and the cache's mask (causality included)
+            k, v = cache.update(self.layer_idx, k, v)
+            mask = cache.mask
+        else:
+            mask = expand_mask(mask, b, t, v.shape[-2])
         attn, weights = standard_attention(
-            q, k, v, scale=self.scaling, causal=self.causal, mask=mask, need_weights=need_weights
+            q, k, v, scale=self.scaling, causal=self.causal and cache is None, mask=mask, need_weights=need_weights
         )
         if self.subln is not None:
             attn = self.subln(attn)
