@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from difftransformer.core.attention.common import expand_mask
 from difftransformer.errors import InputError
 
 
@@ -46,16 +47,11 @@ class KVCache:
         visible = torch.arange(self.max_len, device=slots.device)[None, :] <= slots[:, None]  # (T, max_len)
         mask = visible[None, None]
         if padding is not None:
-            if padding.dtype != torch.bool:
-                raise InputError(f"attention mask must be boolean (True = may attend), got dtype {padding.dtype}")
             if padding.shape[-1] != self.max_len:
                 raise InputError(
                     f"with a cache the attention mask covers its {self.max_len} slots, got {tuple(padding.shape)}"
                 )
-            padding = (
-                padding[:, None, None] if padding.dim() == 2 else padding[:, None] if padding.dim() == 3 else padding
-            )
-            mask = mask & padding
+            mask = mask & expand_mask(padding, self.keys[0].shape[0], len(slots), self.max_len)
         self.slots, self.mask = slots, mask
 
     def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
