@@ -3,6 +3,7 @@ and the commands end to end on a tiny setting."""
 
 import json
 from dataclasses import replace
+from functools import partial
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ from difftransformer.apps.analysis import allocation, attention_maps
 from difftransformer.apps.cli import main
 from difftransformer.apps.repro import allocation as allocation_exp
 from difftransformer.apps.repro import icl, needle, suite
-from difftransformer.apps.repro.fit import FitSpec, save_models
+from difftransformer.apps.repro.fit import FitSpec, save_model
 from difftransformer.apps.repro.tasks import (
     EXAMPLE_FEATURES,
     FEATURES_PER_CLASS,
@@ -171,6 +172,30 @@ def tiny_scales(monkeypatch):
     monkeypatch.setattr(icl, "ORDER_SEEDS", 2)
 
 
+def test_an_experiments_models_are_run_directories(tmp_path, tiny_scales):
+    """A trained model is saved as a run directory that load_run reads back to the same outputs; the training loop
+    is the library's (same losses as optimizer_step on the same batches); a 0.1 model file gets a clear error."""
+    from difftransformer.apps.repro.fit import find_models, fit, load_model
+    from difftransformer.training.runs import load_run
+
+    spec = needle.SCALES["cpu"]
+    record = needle.train_job("diff", 0, spec, tmp_path)
+    found = find_models(tmp_path, "needle")
+    assert list(found) == [("diff", 0)] and found[("diff", 0)] == tmp_path / "models" / "needle-diff-seed0"
+    model, tokenizer = load_run(found[("diff", 0)])
+    assert tokenizer.encode("60 5") == [60, 5]
+    opts = spec.task
+    sample = partial(needle.sample, seq_len=spec.seq_len, needles=opts["needles"], queries=opts["queries"])
+    _, trained = fit("diff", 0, spec, sample, lambda m: 0.0)  # trained again: the same weights
+    x = needle.eval_set(2, 1, spec.seq_len, 4).tokens
+    with torch.no_grad():
+        assert torch.equal(model(x), trained(x)) and torch.equal(model(x), load_model(found[("diff", 0)])(x))
+    assert record["eval"]["by_nr"] and record["config"]["attention"] == "diff"
+    (tmp_path / "models" / "needle-standard-seed0.pt").write_bytes(b"old")
+    with pytest.raises(ValueError, match="model file of difftransformer 0.1 .* run the experiment again"):
+        find_models(tmp_path, "needle")
+
+
 @pytest.mark.slow
 def test_repro_all_writes_every_report(tmp_path, tiny_scales, capsys, monkeypatch, corpus_dir):
     optional("matplotlib")
@@ -228,9 +253,8 @@ def test_analyze_attention(tmp_path, capsys):
     optional("matplotlib")
     torch.manual_seed(0)
     model = TransformerLM(ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, max_seq_len=16))
-    run = {"attention": "diff", "seed": 0, "config": model.config.to_dict(), "state": model.state_dict()}
-    save_models([run], tmp_path, "needle")
-    path = tmp_path / "models" / "needle-diff-seed0.pt"
+    path = save_model(model, {"attention": "diff", "seed": 0}, tmp_path, "needle", FitSpec(steps=5))
+    assert path == tmp_path / "models" / "needle-diff-seed0"
     prompt = tmp_path / "p.txt"
     prompt.write_text("60 5 7 61 5")
     out = tmp_path / "maps.png"
@@ -240,12 +264,16 @@ def test_analyze_attention(tmp_path, capsys):
         (out, "already exists"),  # never overwritten
         (tmp_path / "long.png", "longer than the model's context of 16"),
         (tmp_path / "bad.png", "not valid UTF-8"),
+        (tmp_path / "word.png", "'x' is not a token id: this model reads whitespace-separated ids from 0 to 63"),
+        (tmp_path / "range.png", "'64' is not a token id"),
     ]
     for target, message in cases:
         if "longer" in message:
             prompt.write_text(" ".join(["1"] * 17))
         if "UTF-8" in message:
             prompt.write_bytes(b"1 2 \xff")
+        if "token id" in message:
+            prompt.write_text("1 x 2" if "'x'" in message else "1 64")
         argv = ["analyze", "attention", "--run", str(path), "--prompt-file", str(prompt), "--out", str(target)]
         assert main(argv) == 2
         assert message in capsys.readouterr().err
@@ -262,7 +290,8 @@ def test_logit_bits_change_the_final_evaluation_only(tmp_path, tiny_scales, monk
     monkeypatch.setattr(needle, "evaluate", lambda model, spec: {"probe": repr(active_probe())})
     monkeypatch.setattr(needle, "curve_score", lambda *a, **k: seen.append(active_probe()) or 0.0)
     for bits in (None, 2):
-        run = needle.train_job("diff", 0, scaled_spec(needle.SCALES, "cpu", logit_bits=bits))
+        spec = scaled_spec(needle.SCALES, "cpu", logit_bits=bits)
+        run = needle.train_job("diff", 0, spec, tmp_path / f"bits{bits}")
         assert run["eval"]["probe"] == ("None" if bits is None else "LogitQuantizer(bits=2, granularity='row')")
     assert seen and all(probe is None for probe in seen)
     assert json.loads((tmp_path / "two" / "results.json").read_text())["spec"]["logit_bits"] == 2

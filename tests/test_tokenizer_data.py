@@ -8,7 +8,14 @@ import torch
 
 from difftransformer.training.corpus import find_files, iter_documents, pydocs_documents
 from difftransformer.training.data import TokenData, WindowSampler, eval_windows, prepare, read_manifest, verify_data
-from difftransformer.training.tokenizer import ByteTokenizer, HFTokenizer, get_tokenizer, load_tokenizer, train_bpe
+from difftransformer.training.tokenizer import (
+    ByteTokenizer,
+    HFTokenizer,
+    IdTokenizer,
+    get_tokenizer,
+    load_tokenizer,
+    train_bpe,
+)
 
 
 def test_byte_tokenizer_round_trip_and_bytes():
@@ -41,6 +48,23 @@ def test_tokenizer_errors(tmp_path):
     (tmp_path / "bad.json").write_text("{}")
     with pytest.raises(ValueError, match="not a valid tokenizer.json"):
         get_tokenizer(str(tmp_path / "bad.json"))
+
+
+def test_id_tokenizer_reads_and_writes_token_ids(tmp_path):
+    tok = IdTokenizer(64)
+    assert tok.encode(" 60 5\n7  63 ") == [60, 5, 7, 63] and tok.decode([60, 5]) == "60 5"
+    assert tok.stop_ids == [] and tok.eot_id is None and tok.token_bytes().tolist() == [1] * 64
+    tok.save(tmp_path)
+    again = load_tokenizer(tmp_path)
+    assert isinstance(again, IdTokenizer) and again.fingerprint() == "ids-64"
+    for text, bad in [("1 64", "'64'"), ("1 -2", "'-2'"), ("a b", "'a'"), ("1.0", "'1.0'")]:
+        with pytest.raises(ValueError, match=f"{bad} is not a token id: this model reads whitespace-separated ids"):
+            tok.encode(text)
+    with pytest.raises(ValueError, match="has no Hugging Face tokenizer"):
+        tok.to_hf()
+    (tmp_path / "tokenizer_spec.json").write_text('{"kind": "ids", "vocab_size": "64"}')
+    with pytest.raises(ValueError, match="is damaged: vocab_size must be a positive integer"):
+        load_tokenizer(tmp_path)
 
 
 def test_corpus_reading(corpus_dir):

@@ -2,8 +2,8 @@
 
 For a DIFF layer each head gets three panels: softmax map 1, softmax map 2, and the differential map
 ``map1 - lambda map2`` that mixes the values (signed, on a diverging scale); a standard layer shows each head's softmax
-map. Inputs are a run directory (``difftx train``; the prompt is UTF-8 text for its tokenizer) or a model file of
-``difftx repro`` (``models/*.pt``; the prompt is whitespace-separated token ids).
+map. The input is a run directory: of ``difftx train`` (the prompt is UTF-8 text for its tokenizer) or one of the
+models ``difftx repro`` saves under ``models/`` (the prompt is whitespace-separated token ids).
 """
 
 from __future__ import annotations
@@ -33,24 +33,12 @@ def read_prompt(path: str | Path) -> str:
 
 
 def load_prompt(run: str | Path, prompt_file: str | Path) -> tuple[torch.nn.Module, torch.Tensor, list[str]]:
-    """(model, tokens (1, T), token labels) for a run directory or a repro model file."""
-    run = Path(run)
-    text = read_prompt(prompt_file)
-    if run.suffix == ".pt":
-        from difftransformer.apps.repro.fit import load_model
+    """(model, tokens (1, T), token labels) for a run directory (an experiment's model reads token ids)."""
+    from difftransformer.training.runs import load_run
 
-        model = load_model(run)
-        try:
-            ids = [int(t) for t in text.split()]
-        except ValueError:
-            raise InputError(f"{prompt_file}: a repro model's prompt is whitespace-separated token ids") from None
-        labels = [str(i) for i in ids]
-    else:
-        from difftransformer.training.runs import load_run
-
-        model, tokenizer = load_run(run)
-        ids = tokenizer.encode(text)
-        labels = [tokenizer.decode([i]) for i in ids]
+    model, tokenizer = load_run(run)
+    ids = tokenizer.encode(read_prompt(prompt_file))
+    labels = [tokenizer.decode([i]) for i in ids]
     if len(ids) > model.config.max_seq_len:
         raise InputError(
             f"the prompt is {len(ids)} tokens, longer than the model's context of {model.config.max_seq_len}: "

@@ -526,7 +526,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--run",
         required=True,
         action="append",
-        help="a run directory (its newest checkpoint); attention: also a repro model .pt; outliers: repeat for more",
+        help="a run directory (its newest checkpoint; a repro model is one too); outliers: repeat for more",
     )
     analyze.add_argument("--prompt-file", help="attention: UTF-8 text (byte/BPE runs) or whitespace-separated ids")
     analyze.add_argument("--out", required=True, help="attention: the PNG to write; outliers: a new directory")

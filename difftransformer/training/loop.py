@@ -59,7 +59,7 @@ from difftransformer.training.runs import (
 )
 from difftransformer.training.tokenizer import load_tokenizer
 
-__all__ = ["TrainConfig", "Trainer", "lr_at", "resume_config", "train"]
+__all__ = ["TrainConfig", "Trainer", "lr_at", "optimizer_step", "resume_config", "train"]
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -99,6 +99,47 @@ def autocast_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype | None
     if device.type == "cuda" and torch.cuda.is_bf16_supported():
         return torch.bfloat16
     return None
+
+
+def optimizer_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
+    lr: float,
+    grad_clip: float,
+    device: torch.device,
+    amp: torch.dtype | None = None,
+) -> dict:
+    """One optimizer step at learning rate ``lr`` on the mean next-token loss of ``micro_batches`` ((tokens,
+    targets) pairs; a target of -100 is not scored), gradients clipped to norm ``grad_clip`` and, under DDP or
+    FSDP, synchronised on the last micro-batch only. A non-finite loss or gradient norm skips the update; the
+    returned row {loss, lr, grad_norm} then says "skipped" and why. Every training run of the project (``difftx
+    train`` and the experiments) steps through this function."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    total = torch.zeros((), device=device)
+    for micro, (x, y) in enumerate(micro_batches):
+        x, y = x.to(device), y.to(device)
+        sync = micro == len(micro_batches) - 1
+        if hasattr(model, "set_requires_gradient_sync"):
+            model.set_requires_gradient_sync(sync)
+        with (
+            _no_sync(model, sync),
+            torch.autocast(device.type, dtype=amp or torch.float32, enabled=amp is not None),
+        ):
+            logits = model(x)
+            loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten()) / len(micro_batches)
+            loss.backward()
+        total += loss.detach()
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip))
+    loss_value = float(all_reduce_mean(total))
+    row = {"loss": loss_value, "lr": lr, "grad_norm": grad_norm}
+    if math.isfinite(loss_value) and math.isfinite(grad_norm):
+        optimizer.step()
+    else:
+        row["skipped"] = "non-finite loss" if not math.isfinite(loss_value) else "non-finite gradient"
+    optimizer.zero_grad(set_to_none=True)
+    return row
 
 
 class Progress:
@@ -331,34 +372,15 @@ class Trainer:
     # training ------------------------------------------------------------------------------------------------
     def train_step(self) -> dict:
         """One optimizer step. A non-finite loss or gradient norm skips the update (the row says "skipped")."""
-        cfg, model, device = self.cfg, self.model, self.world.device
-        lr = lr_at(self.step_idx, cfg)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        total = torch.zeros((), device=device)
-        for micro in range(cfg.grad_accum):
-            part = self.world.rank * cfg.grad_accum + micro
-            x, y = self.sampler.batch(self.step_idx, part, self.world.size * cfg.grad_accum)
-            x, y = x.to(device), y.to(device)
-            sync = micro == cfg.grad_accum - 1
-            if hasattr(model, "set_requires_gradient_sync"):
-                model.set_requires_gradient_sync(sync)
-            with (
-                _no_sync(model, sync),
-                torch.autocast(device.type, dtype=self.amp or torch.float32, enabled=self.amp is not None),
-            ):
-                logits = model(x)
-                loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten()) / cfg.grad_accum
-                loss.backward()
-            total += loss.detach()
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip))
-        loss_value = float(all_reduce_mean(total))
-        row = {"loss": loss_value, "lr": lr, "grad_norm": grad_norm}
-        if math.isfinite(loss_value) and math.isfinite(grad_norm):
-            self.optimizer.step()
-        else:
-            row["skipped"] = "non-finite loss" if not math.isfinite(loss_value) else "non-finite gradient"
-        self.optimizer.zero_grad(set_to_none=True)
+        cfg, parts = self.cfg, self.world.size * self.cfg.grad_accum
+        micro_batches = [
+            self.sampler.batch(self.step_idx, self.world.rank * cfg.grad_accum + micro, parts)
+            for micro in range(cfg.grad_accum)
+        ]
+        row = optimizer_step(
+            self.model, self.optimizer, micro_batches, lr_at(self.step_idx, cfg), cfg.grad_clip, self.world.device,
+            self.amp,
+        )  # fmt: skip
         self.step_idx += 1
         return row
 

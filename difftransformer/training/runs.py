@@ -77,14 +77,14 @@ def check_weights(model: torch.nn.Module, tensors: dict[str, torch.Tensor], sour
         raise InputError(f"{source} does not match {config}: unexpected {extra[0]}")
 
 
-def save_run(model: TransformerLM, tokenizer: Tokenizer, out_dir: str | Path, meta: dict) -> Path:
-    """A new run directory holding ``model`` (a step-0 checkpoint, no optimizer state) and ``tokenizer``."""
+def save_run(model: TransformerLM, tokenizer: Tokenizer, out_dir: str | Path, meta: dict, step: int = 0) -> Path:
+    """A new run directory holding ``model`` (a checkpoint of ``step``, no optimizer state) and ``tokenizer``."""
 
     def write(tmp: Path) -> None:
         model.config.to_json(tmp / MODEL_CONFIG)
         tokenizer.save(tmp)
         meta_all = {**meta, "model_config": model.config.to_dict()}
-        save_checkpoint(tmp, 0, model.state_dict(), {"state": {}, "param_groups": []}, meta_all, keep_last=1)
+        save_checkpoint(tmp, step, model.state_dict(), {"state": {}, "param_groups": []}, meta_all, keep_last=1)
 
     write_new_dir(out_dir, "output directory", write)
     return Path(out_dir)

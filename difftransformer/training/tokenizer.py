@@ -1,4 +1,5 @@
-"""Tokenizers: byte-level (the default, no files), BPE trained locally, or any ``tokenizer.json`` on disk.
+"""Tokenizers: byte-level (the default, no files), BPE trained locally, any ``tokenizer.json`` on disk, or plain
+token ids (the synthetic tasks' models).
 
 Every tokenizer has an end-of-text token appended after each document, saves itself into a directory (so it
 travels with the data and the run) and knows how many UTF-8 bytes each token stands for (for bits per byte).
@@ -155,7 +156,51 @@ class HFTokenizer:
         return digest if self.eot == EOT else f"{digest}-eot:{self.eot}"
 
 
-Tokenizer = ByteTokenizer | HFTokenizer
+class IdTokenizer:
+    """The token ids themselves, written as whitespace-separated numbers: the text form of a model trained on a
+    synthetic task (``difftx repro needle|icl``), whose vocabulary has no characters. No end-of-text token."""
+
+    kind = "ids"
+
+    def __init__(self, vocab_size: int) -> None:
+        if not isinstance(vocab_size, int) or isinstance(vocab_size, bool) or vocab_size < 1:
+            raise InputError(f"a token-id tokenizer needs a vocabulary size of at least 1, got {vocab_size!r}")
+        self.vocab_size = vocab_size
+        self.eot_id = None
+        self.bos_id = None
+        self.stop_ids: list[int] = []
+
+    def encode(self, text: str) -> list[int]:
+        ids = []
+        for word in text.split():
+            if not word.isdigit() or int(word) >= self.vocab_size:
+                raise InputError(
+                    f"{word!r} is not a token id: this model reads whitespace-separated ids from 0 to "
+                    f"{self.vocab_size - 1}"
+                )
+            ids.append(int(word))
+        return ids
+
+    encode_prompt = encode
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return " ".join(str(int(i)) for i in ids)
+
+    def token_bytes(self) -> np.ndarray:
+        """One per token: bits per byte of a synthetic task are bits per token."""
+        return np.ones(self.vocab_size, dtype=np.int64)
+
+    def save(self, directory: str | Path) -> None:
+        _write_spec(directory, {"kind": self.kind, "vocab_size": self.vocab_size})
+
+    def to_hf(self):
+        raise InputError("a model trained on token ids (a synthetic task) has no Hugging Face tokenizer to export")
+
+    def fingerprint(self) -> str:
+        return f"ids-{self.vocab_size}"
+
+
+Tokenizer = ByteTokenizer | HFTokenizer | IdTokenizer
 
 
 def byte_level_chars() -> dict[int, str]:
@@ -224,6 +269,11 @@ def load_tokenizer(directory: str | Path) -> Tokenizer:
     spec = read_json_object(spec_path)
     if spec.get("kind") == "byte":
         return ByteTokenizer()
+    if spec.get("kind") == "ids":
+        vocab_size = spec.get("vocab_size")
+        if not isinstance(vocab_size, int) or isinstance(vocab_size, bool) or vocab_size < 1:
+            raise InputError(f"{spec_path} is damaged: vocab_size must be a positive integer, got {vocab_size!r}")
+        return IdTokenizer(vocab_size)
     if spec.get("kind") == "hf":
         file, eot, stop, bos = spec.get("file", HF_FILE), spec.get("eot", EOT), spec.get("stop", []), spec.get("bos")
         if not (

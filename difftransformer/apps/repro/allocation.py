@@ -23,7 +23,7 @@ import torch
 
 from difftransformer.apps.analysis import allocation, attention_maps
 from difftransformer.apps.repro import needle, report
-from difftransformer.apps.repro.fit import find_models, load_model, run_pairs, save_models, scaled_spec
+from difftransformer.apps.repro.fit import find_models, load_model, run_pairs, scaled_spec
 from difftransformer.apps.repro.tasks import MARK
 from difftransformer.errors import InputError
 from difftransformer.fsutil import write_json
@@ -80,7 +80,7 @@ def run(
             "seeds, or drop `models` to train them here"
         )
     if not found:
-        save_models(run_pairs(partial(needle.train_job, spec=spec), seeds, workers), out, needle.TASK)
+        run_pairs(partial(needle.train_job, spec=spec, out=out), seeds, workers)
         found = find_models(out, needle.TASK)
     evals = []
     for seed in seeds:

@@ -2,13 +2,14 @@
 
 A pair shares everything but the attention: the model config, the initialisation seed of the shared layers, the
 data stream (one generator seeded with the run's seed) and the optimiser (AdamW with the library's weight-decay
-groups, linear warmup then cosine, train.lr_at). Each run records a learning curve, accuracy on a fixed evaluation
-set against steps and against seconds, since a DIFF step costs more than a standard one.
+groups, linear warmup then cosine, stepped by the training loop's ``optimizer_step``). Each run records a learning
+curve, accuracy on a fixed evaluation set against steps and against seconds, since a DIFF step costs more than a
+standard one. Each trained model is saved as a run directory (``load_run`` reads it; its tokenizer reads and
+writes token ids) under ``<out>/models/<task>-<attention>-seed<seed>``.
 """
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
@@ -18,15 +19,15 @@ from multiprocessing import get_context
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
-from difftransformer.apps.repro.tasks import IGNORE, VOCAB
-from difftransformer.core.attention.gqa_layout import own_layout
+from difftransformer.apps.repro.tasks import VOCAB
 from difftransformer.core.attention.logits import LogitQuantizer, check_bits, logit_probe
 from difftransformer.core.config import ModelConfig
 from difftransformer.core.model import TransformerLM
 from difftransformer.errors import InputError
-from difftransformer.training.loop import lr_at, make_optimizer
+from difftransformer.training.loop import lr_at, make_optimizer, optimizer_step
+from difftransformer.training.runs import MODEL_CONFIG, load_run, save_run
+from difftransformer.training.tokenizer import IdTokenizer
 
 ATTENTIONS = ("diff", "standard")
 
@@ -95,10 +96,6 @@ def final_evaluation(spec: FitSpec) -> Iterator[None]:
         yield
 
 
-def masked_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE)
-
-
 def fit(
     attention: str,
     seed: int,
@@ -106,8 +103,9 @@ def fit(
     sample: Callable[[torch.Generator, int], tuple[torch.Tensor, torch.Tensor]],
     score: Callable[[TransformerLM], float],
     threads: int = 1,
-) -> dict:
-    """Train one model; returns its config, final state, and curve [{step, seconds, loss, accuracy}]."""
+) -> tuple[dict, TransformerLM]:
+    """Train one model; returns its record {attention, seed, seconds, curve [{step, seconds, loss, accuracy}]} and
+    the trained model in eval mode."""
     torch.set_num_threads(threads)
     torch.manual_seed(seed)
     model = TransformerLM(spec.model_config(attention))
@@ -123,24 +121,20 @@ def fit(
         if step == spec.steps:
             break
         start = time.perf_counter()
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, spec)
-        tokens, targets = sample(data, spec.batch_size)
-        loss = masked_loss(model(tokens), targets)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        row = optimizer_step(model, optimizer, [sample(data, spec.batch_size)], lr_at(step, spec), 1.0, CPU)
         seconds += time.perf_counter() - start
-        losses.append(loss.item())
-    return {
+        losses.append(row["loss"])
+    record = {
         "attention": attention,
         "seed": seed,
         "seconds": round(seconds, 1),
         "curve": curve,
-        "config": json.loads(model.config.to_json()),
-        "state": model.state_dict(),
+        "config": model.config.to_dict(),
     }
+    return record, model.eval()
+
+
+CPU = torch.device("cpu")
 
 
 def _mean(xs: list[float]) -> float | None:
@@ -159,53 +153,58 @@ def run_pairs(job: Callable[[str, int], dict], seeds: list[int], workers: int) -
         return list(pool.map(job, *zip(*tasks, strict=True)))
 
 
-def save_models(runs: list[dict], out: Path, task: str) -> None:
-    """Each trained model as out/models/{task}-{attention}-seed{seed}.pt (config and weights)."""
-    folder = out / "models"
-    folder.mkdir(parents=True, exist_ok=True)
-    for run in runs:
-        path = folder / f"{task}-{run['attention']}-seed{run['seed']}.pt"
-        torch.save({"config": run["config"], "state": run["state"]}, path)
+def model_dir(out: Path, task: str, attention: str, seed: int) -> Path:
+    """Where an experiment saves one trained model (a run directory)."""
+    return out / "models" / f"{task}-{attention}-seed{seed}"
 
 
-def model_from(run: dict) -> TransformerLM:
-    """The trained model of a fit() result, in eval mode."""
-    model = TransformerLM(ModelConfig(**run["config"]))
-    with own_layout():
-        model.load_state_dict(run["state"])
-    return model.eval()
+def save_model(model: TransformerLM, record: dict, out: Path, task: str, spec: FitSpec) -> Path:
+    """``model`` as the run directory model_dir(out, task, ...), with its checkpoint at the last step."""
+    meta = {"experiment": task, "seed": record["seed"], "spec": asdict(spec)}
+    path = model_dir(out, task, record["attention"], record["seed"])
+    return save_run(model, IdTokenizer(VOCAB), path, meta, spec.steps)
 
 
 def load_model(path: Path) -> TransformerLM:
-    try:
-        saved = torch.load(path, map_location="cpu", weights_only=True)
-        model = TransformerLM(ModelConfig(**saved["config"]))
-        with own_layout():
-            model.load_state_dict(saved["state"])
-    except (OSError, RuntimeError, KeyError, TypeError, ValueError) as err:
-        raise InputError(f"cannot load the trained model {path}: {err}; delete it and rerun to retrain") from err
-    return model.eval()
+    """The trained model of an experiment's run directory, in eval mode."""
+    return load_run(path)[0]
 
 
 def find_models(folder: Path, task: str) -> dict[tuple[str, int], Path]:
-    """{(attention, seed): path} of the models saved by save_models in folder/models."""
+    """{(attention, seed): run directory} of the models an experiment saved under folder/models."""
     found = {}
-    for path in sorted((folder / "models").glob(f"{task}-*-seed*.pt")):
-        attention, seed = path.stem.removeprefix(f"{task}-").rsplit("-seed", 1)
+    for path in sorted((folder / "models").glob(f"{task}-*-seed*")):
+        if path.suffix == ".pt":
+            raise InputError(
+                f"{path} is a model file of difftransformer 0.1 (the experiments now save run directories); run "
+                "the experiment again to retrain its models"
+            )
+        if not (path / MODEL_CONFIG).is_file():
+            continue
+        attention, seed = path.name.removeprefix(f"{task}-").rsplit("-seed", 1)
         found[(attention, int(seed))] = path
     return found
 
 
+def save_and_evaluate(
+    record: dict, model: TransformerLM, out: Path, task: str, spec: FitSpec, evaluate: Callable
+) -> dict:
+    """Save a trained model under out/models and return its record with ``eval``: evaluate(model, spec) under
+    the final evaluation's settings (called in the worker, so evaluations run in parallel too)."""
+    save_model(model, record, out, task, spec)
+    with final_evaluation(spec):
+        return {**record, "eval": evaluate(model, spec)}
+
+
 def train_pairs(out: Path, task: str, scale: str, spec: FitSpec, job, seeds: list[int], workers: int) -> dict:
-    """Train and evaluate every pair (``job(attention, seed)`` returns fit()'s record plus an ``eval``), save the
-    models under out/models, and return the common part of the experiment's result record."""
+    """Train, save (under out/models) and evaluate every pair (``job(attention, seed)`` returns fit()'s record
+    plus an ``eval``), and return the common part of the experiment's result record."""
     runs = run_pairs(job, seeds, workers)
-    save_models(runs, out, task)
     return {
         "experiment": task,
         "scale": scale,
         "seeds": seeds,
         "spec": asdict(spec),
-        "runs": [{k: v for k, v in r.items() if k not in ("state", "eval")} for r in runs],
+        "runs": [{k: v for k, v in r.items() if k != "eval"} for r in runs],
         "evals": [{"attention": r["attention"], "seed": r["seed"], **r["eval"]} for r in runs],
     }

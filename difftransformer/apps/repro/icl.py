@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from difftransformer.apps.repro import report
-from difftransformer.apps.repro.fit import FitSpec, final_evaluation, fit, model_from, scaled_spec, train_pairs
+from difftransformer.apps.repro.fit import FitSpec, fit, save_and_evaluate, scaled_spec, train_pairs
 from difftransformer.apps.repro.tasks import (
     EXAMPLE_FEATURES,
     FEATURES_PER_CLASS,
@@ -72,19 +72,18 @@ def curve_score(model, shots: int, size: int) -> float:
     return round(accuracy(model, episodes(CURVE_CLASSES, shots, size)), 4)
 
 
-def train_job(attention: str, seed: int, spec: FitSpec) -> dict:
+def train_job(attention: str, seed: int, spec: FitSpec, out: Path) -> dict:
     opts = spec.task
     if ICL_EXAMPLE * opts["shots"] + EXAMPLE_FEATURES > spec.seq_len:
         raise InputError(f"{opts['shots']} demonstrations do not fit a context of {spec.seq_len}")
-    run = fit(
+    record, model = fit(
         attention,
         seed,
         spec,
         partial(sample, classes=opts["classes"], shots=opts["shots"]),
         partial(curve_score, shots=opts["order_shots"], size=min(256, opts["eval_size"])),
     )
-    with final_evaluation(spec):  # evaluated in the worker: in parallel
-        return {**run, "eval": evaluate(model_from(run), spec)}
+    return save_and_evaluate(record, model, out, TASK, spec, evaluate)
 
 
 def order_accuracies(model, eps: ICLEpisodes) -> dict[str, list[float]]:
@@ -117,7 +116,7 @@ def run(
     out: Path, scale: str, seeds: list[int], workers: int, steps: int | None = None, logit_bits: int | None = None
 ) -> dict:
     spec = scaled_spec(SCALES, scale, steps, logit_bits)
-    result = train_pairs(out, TASK, scale, spec, partial(train_job, spec=spec), seeds, workers)
+    result = train_pairs(out, TASK, scale, spec, partial(train_job, spec=spec, out=out), seeds, workers)
     result.update(
         {
             "arrangements": ARRANGEMENTS,

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from difftransformer.apps.repro import report
-from difftransformer.apps.repro.fit import FitSpec, final_evaluation, fit, model_from, scaled_spec, train_pairs
+from difftransformer.apps.repro.fit import FitSpec, fit, save_and_evaluate, scaled_spec, train_pairs
 from difftransformer.apps.repro.tasks import NeedleBatch, needle_batch
 from difftransformer.fsutil import write_json
 
@@ -63,18 +63,17 @@ def curve_score(model, seq_len: int, size: int) -> float:
     return round(outcomes(model, eval_set(n, r, seq_len, size))["correct"], 4)
 
 
-def train_job(attention: str, seed: int, spec: FitSpec) -> dict:
+def train_job(attention: str, seed: int, spec: FitSpec, out: Path) -> dict:
     """Train one model and evaluate it (in the worker, so that evaluations run in parallel too)."""
     opts = spec.task
-    run = fit(
+    record, model = fit(
         attention,
         seed,
         spec,
         partial(sample, seq_len=spec.seq_len, needles=opts["needles"], queries=opts["queries"]),
         partial(curve_score, seq_len=spec.seq_len, size=min(256, opts["eval_size"])),
     )
-    with final_evaluation(spec):
-        return {**run, "eval": evaluate(model_from(run), spec)}
+    return save_and_evaluate(record, model, out, TASK, spec, evaluate)
 
 
 def evaluate(model, spec: FitSpec) -> dict:
@@ -93,7 +92,7 @@ def run(
     out: Path, scale: str, seeds: list[int], workers: int, steps: int | None = None, logit_bits: int | None = None
 ) -> dict:
     spec = scaled_spec(SCALES, scale, steps, logit_bits)
-    result = train_pairs(out, TASK, scale, spec, partial(train_job, spec=spec), seeds, workers)
+    result = train_pairs(out, TASK, scale, spec, partial(train_job, spec=spec, out=out), seeds, workers)
     result.update(
         {
             "nr_grid": NR_GRID,

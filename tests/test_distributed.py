@@ -1,0 +1,114 @@
+"""Parallelism (training/distributed.py): two processes (DDP, FSDP2) match one, activation checkpointing, and the
+helpers on a single process."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import difftx, losses, small_config, train_args
+
+from difftransformer.core.config import ModelConfig
+from difftransformer.core.model import TransformerLM
+from difftransformer.training.checkpoint import list_checkpoints, load_checkpoint
+from difftransformer.training.distributed import (
+    World,
+    all_reduce_max,
+    all_reduce_mean,
+    full_state,
+    init_world,
+    load_full_state,
+    parallelize,
+    unwrap,
+)
+from difftransformer.training.loop import make_optimizer, train
+
+
+def cli(*args, env_extra=None):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env_extra or {})}
+    return difftx(*args), env
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_two_processes_match_one(prepared, tmp_path, parallel):
+    args = train_args(prepared, max_steps=6, eval_interval=6, ckpt_interval=6)
+    cmd, env = cli("train", *args, "--out", str(tmp_path / "one"))
+    subprocess.run(cmd, env=env, check=True, timeout=300)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    cmd, env = cli(
+        "train", *args, "--out", str(tmp_path / "two"), "--parallel", parallel, env_extra={"OMP_NUM_THREADS": "1"}
+    )
+    proc = subprocess.run(
+        torchrun + ["-m", "difftransformer"] + cmd[3:], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    one, two = losses(tmp_path / "one"), losses(tmp_path / "two")
+    assert [s for s, _ in one] == [s for s, _ in two] == list(range(1, 7))
+    for (_, a), (_, b) in zip(one, two, strict=True):
+        assert abs(a - b) < 1e-5
+    lam_one, lam_two = (
+        json.loads(r.read_text().splitlines()[-1])["lambda"]
+        for r in (tmp_path / "one" / "metrics.jsonl", tmp_path / "two" / "metrics.jsonl")
+    )
+    assert len(lam_two) == 2 and max(abs(a - b) for a, b in zip(lam_one, lam_two, strict=True)) < 1e-5
+    # the checkpoint written by the group resumes in a single process
+    sd, _, meta = load_checkpoint(list_checkpoints(tmp_path / "two")[-1])
+    sd_one, _, _ = load_checkpoint(list_checkpoints(tmp_path / "one")[-1])
+    assert meta["step"] == 6
+    for name, tensor in sd_one.items():
+        torch.testing.assert_close(sd[name], tensor, rtol=1e-4, atol=1e-5)
+
+
+def test_activation_checkpointing_same_losses_less_memory(prepared, tmp_path):
+    from difftransformer.apps.bench import _lm_loss, saved_activation_bytes
+
+    plain = train(small_config(prepared, tmp_path / "plain", max_steps=3), quiet=True)
+    ac = train(small_config(prepared, tmp_path / "ac", max_steps=3, checkpoint_activations=True), quiet=True)
+    for a, b in zip(plain, ac, strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-5)
+    x = torch.randint(0, 256, (2, 65))
+    torch.manual_seed(0)
+    model = TransformerLM(ModelConfig.preset("tiny", n_layers=4))
+    full = saved_activation_bytes(lambda: _lm_loss(model, x))
+    wrapped = parallelize(model, "none", World(), checkpoint_activations=True)
+    assert "layers.0.attn.q_proj.weight" in wrapped.state_dict()  # names unchanged
+    assert saved_activation_bytes(lambda: _lm_loss(wrapped, x)) < full / 2
+
+
+def test_one_process_world_and_reductions_are_identities():
+    world = init_world("cpu")
+    assert (world.rank, world.size, world.device, world.is_main) == (0, 1, torch.device("cpu"), True)
+    value = torch.tensor([1.5, -2.0])
+    assert torch.equal(all_reduce_mean(value), value) and torch.equal(all_reduce_max(value), value)
+
+
+def test_parallelize_refuses_unknown_modes_and_a_missing_process_group():
+    model = TransformerLM(ModelConfig.preset("tiny", n_layers=1))
+    with pytest.raises(ValueError, match="`parallel` must be one of"):
+        parallelize(model, "zero3", World())
+    with pytest.raises(ValueError, match="needs a process group: launch with torchrun"):
+        parallelize(model, "ddp", World())
+    assert parallelize(model, "none", World()) is model and unwrap(model) is model
+
+
+def test_full_state_round_trips_model_and_optimizer():
+    torch.manual_seed(0)
+    cfg = small_config(".", ".")
+    model = TransformerLM(ModelConfig.preset("tiny", n_layers=1))
+    optimizer = make_optimizer(model, cfg)
+    model(torch.randint(0, 256, (2, 9))).sum().backward()
+    optimizer.step()
+    model_sd, optim_sd = full_state(model, optimizer)
+    torch.manual_seed(1)
+    other = TransformerLM(ModelConfig.preset("tiny", n_layers=1))
+    other_optimizer = make_optimizer(other, cfg)
+    load_full_state(other, other_optimizer, model_sd, optim_sd)
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(other.state_dict()[name], tensor), name
+    again_model, again_optim = full_state(other, other_optimizer)
+    first = [v for s in optim_sd["state"].values() for v in s.values() if torch.is_tensor(v)]
+    second = [v for s in again_optim["state"].values() for v in s.values() if torch.is_tensor(v)]
+    assert len(first) == len(second) > 0 and all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
