@@ -22,7 +22,7 @@ from difftransformer.core.attention import ATTENTION, MultiheadDiffAttn
 from difftransformer.core.attention.common import KVStore, expand_mask
 from difftransformer.core.config import ModelConfig
 from difftransformer.core.layers import RMSNorm, SwiGLU
-from difftransformer.core.rotary import rotary_angles
+from difftransformer.core.rotary import check_positions, rotary_angles
 from difftransformer.errors import InputError
 
 
@@ -41,12 +41,12 @@ class Block(nn.Module):
         self,
         x: torch.Tensor,
         mask: torch.Tensor | None = None,
-        positions: torch.Tensor | None = None,
         cache: KVStore | None = None,
         rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
+        """``rotary``: the (cos, sin) of the tokens' positions, read once by the model for every block."""
         h = self.attn_norm(x)
-        x = x + self.dropout(self.attn(h, mask=mask, positions=positions, cache=cache, rotary=rotary))
+        x = x + self.dropout(self.attn(h, mask=mask, cache=cache, rotary=rotary))
         return x + self.dropout(self.ffn(self.ffn_norm(x)))
 
 
@@ -122,7 +122,7 @@ class TransformerLM(nn.Module):
         x = self.embed(tokens)
         rotary = self.rotary(positions, t)
         for block in self.layers:
-            x = block(x, mask=mask, positions=positions, cache=cache, rotary=rotary)
+            x = block(x, mask=mask, cache=cache, rotary=rotary)
         if auto_slots:
             cache.length += t
         return self.lm_head(self.norm(x))
@@ -133,8 +133,7 @@ class TransformerLM(nn.Module):
             return None
         if positions is None:
             return self.rope_cos[:t], self.rope_sin[:t]
-        if positions.shape[-1] != t:
-            raise InputError(f"positions has {positions.shape[-1]} entries for a sequence of {t} tokens")
+        check_positions(positions, t)
         if not torch.compiler.is_compiling() and positions.device.type != "meta" and positions.numel():
             if positions.min() < 0 or positions.max() >= self.config.max_seq_len:
                 raise InputError(

@@ -19,6 +19,8 @@ import math
 
 import torch
 
+from difftransformer.errors import InputError
+
 ROPE_SCALINGS = {
     "linear": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
@@ -78,6 +80,12 @@ def rotary_angles(
     inv_freq = inv_frequencies(head_dim, theta, scaling, dtype, positions.device)
     angles = positions.to(dtype)[..., None] * inv_freq
     return angles.cos(), angles.sin()
+
+
+def check_positions(positions: torch.Tensor, seq_len: int) -> None:
+    """Refuse rotary positions ((T,) or (B, T)) that do not give one position per token."""
+    if positions.shape[-1] != seq_len:
+        raise InputError(f"positions has {positions.shape[-1]} entries for a sequence of {seq_len} tokens")
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from difftransformer.core.attention.kernels import softmax_dtype
-from difftransformer.core.rotary import apply_rotary, rope_scaling_problem, rotary_angles
+from difftransformer.core.rotary import apply_rotary, check_positions, rope_scaling_problem, rotary_angles
 from difftransformer.errors import InputError
 
 
@@ -98,8 +98,8 @@ def rotary_for(
     device = like.device
     if positions is None:
         positions = torch.arange(seq_len, device=device)
-    elif positions.shape[-1] != seq_len:
-        raise InputError(f"positions has {positions.shape[-1]} entries for a sequence of {seq_len} tokens")
+    else:
+        check_positions(positions, seq_len)
     return rotary_angles(positions, head_dim, theta, softmax_dtype(like), scaling)
 
 
