@@ -335,11 +335,36 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="difftx", description="The Differential Transformer: tools.")
     parser.add_argument("--version", action="version", version=f"difftransformer {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
+    for add in (
+        _demo_command,
+        _presets_command,
+        _data_command,
+        _tokenizer_command,
+        _train_command,
+        _generate_command,
+        _convert_command,
+        _eval_command,
+        _quantize_command,
+        _bench_command,
+        _repro_command,
+        _analyze_command,
+    ):
+        add(sub)
+    return parser
+
+
+def _demo_command(sub) -> None:
     demo = _command(sub, "demo", _demo, "train the tiny DIFF / standard pair side by side and write a report")
     demo.add_argument("--steps", type=_at_least(1), default=240, help="training steps of each model")
     demo.add_argument("--out", default="runs/demo", help="report directory (a free name is chosen next to it)")
     demo.add_argument("--data", default="data/pydocs", help="where the built-in corpus is prepared (reused)")
+
+
+def _presets_command(sub) -> None:
     _command(sub, "presets", _presets, "list the model presets with DIFF and standard parameter counts")
+
+
+def _data_command(sub) -> None:
     data = sub.add_parser("data", help="prepare token shards, fetch a corpus, verify checksums")
     data_sub = data.add_subparsers(dest="data_command", required=True)
     prep = _command(data_sub, "prepare", _data_prepare, "tokenise text files into shards with a manifest")
@@ -370,6 +395,8 @@ def build_parser() -> argparse.ArgumentParser:
     verify = _command(data_sub, "verify", _data_verify, "check every shard of a data directory against its checksum")
     verify.add_argument("data", help="a directory made by difftx data prepare")
 
+
+def _tokenizer_command(sub) -> None:
     tok = sub.add_parser("tokenizer", help="train a BPE tokenizer locally")
     tok_sub = tok.add_subparsers(dest="tokenizer_command", required=True)
     tok_train = _command(tok_sub, "train", _tokenizer_train, "train a byte-level BPE tokenizer on local text")
@@ -378,6 +405,8 @@ def build_parser() -> argparse.ArgumentParser:
     tok_train.add_argument("--out", required=True, help="the new tokenizer directory")
     tok_train.add_argument("--text-field", default="text", help="the field of .jsonl records that holds the text")
 
+
+def _train_command(sub) -> None:
     tr = _command(sub, "train", _train, "train a model on prepared data (or resume a run)")
     tr.add_argument(
         "--resume",
@@ -388,6 +417,8 @@ def build_parser() -> argparse.ArgumentParser:
     _config_flags(tr, TrainConfig, skip=("betas",), defaults={"out": "runs/<attention>-<preset>"})
     tr.add_argument("--quiet", action="store_true", help="no progress bar")
 
+
+def _generate_command(sub) -> None:
     gen = _command(sub, "generate", _generate, "sample from a trained run, streaming the text")
     gen.add_argument("--run", required=True, help="a run directory (trained, converted or quantized)")
     gen.add_argument("--prompt", required=True, help="the text to continue")
@@ -402,6 +433,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--truncate", action="store_true", help="keep the end of a prompt longer than the context")
     gen.add_argument("--threads", type=_at_least(1), help="CPU threads (default: torch's)")
 
+
+def _convert_command(sub) -> None:
     conv = _command(sub, "convert", _convert, "a run to a Hugging Face directory (--to hf), or back (--from-hf)")
     conv.add_argument("--run", help="the run directory to convert")
     conv.add_argument("--to", choices=["hf"], default="hf", help="the format of --run's export")
@@ -409,6 +442,8 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--attention", choices=["diff"], help="with --from-hf of a Llama: build a DIFF model from it")
     conv.add_argument("--out", required=True, help="the new directory (a Hugging Face directory, or a run)")
 
+
+def _eval_command(sub) -> None:
     ev = _command(sub, "eval", _eval, "perplexity with lm-eval (HFLM) on a local JSONL file, and our own bits per byte")
     ev.add_argument("--run", required=True, help="the run to evaluate")
     ev.add_argument("--jsonl", required=True, help="a JSONL file of texts")
@@ -426,6 +461,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="--logit-bits scale: per head and query row (default) or one per sequence and layer",
     )
 
+
+def _quantize_command(sub) -> None:
     quant = _command(
         sub, "quantize", _quantize, "post-training quantization of a run into a new run directory (integer weights)"
     )
@@ -452,6 +489,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     quant.add_argument("--data", help="w8a8: the data directory (default: the one the run was trained on)")
 
+
+def _bench_command(sub) -> None:
     bench = _command(sub, "bench", _bench, "benchmarks: ratios measured side by side in one run")
     bench.add_argument("what", choices=["attention", "train", "decode", "quantized"], help="what to measure")
     bench.add_argument("--run", help="quantized: a run made by difftx quantize (compared with its float source)")
@@ -472,6 +511,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--hf", action="store_true", help="decode: also transformers generate() on the same weights")
     bench.add_argument("--json", help="also write the results to this JSON file")
 
+
+def _repro_command(sub) -> None:
     repro = _command(
         sub,
         "repro",
@@ -516,6 +557,8 @@ def build_parser() -> argparse.ArgumentParser:
         "`difftx data fetch`)",
     )
 
+
+def _analyze_command(sub) -> None:
     analyze = _command(
         sub, "analyze", _analyze, "attention: plots of a run's attention maps; outliers: the paper's Table 5 statistics"
     )
@@ -539,7 +582,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     analyze.add_argument("--data", help="outliers: the data directory (default: the one each run was trained on)")
     analyze.add_argument("--batch", type=_at_least(1), default=4, help="outliers: windows per forward pass")
-    return parser
 
 
 def _repro(args: argparse.Namespace) -> int:
