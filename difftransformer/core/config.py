@@ -33,6 +33,9 @@ class ModelConfig:
     ``attention="diff"`` the model uses ``n_heads // 2`` differential heads and ``n_kv_heads // 2`` key/value
     groups of the same head size ``d_model // n_heads``, so flipping ``attention`` gives the paper's matched
     pair (docs/paper.md section 2). ``diff_v2`` keeps ``n_heads`` output heads and doubles the query heads.
+    The counts of the heads as built are ``attention_heads`` and ``attention_kv_heads``; an attention module takes
+    them as ``num_heads`` and ``num_kv_heads`` (the paper code's names). So ``n_*`` always counts the standard
+    model's heads and ``num_*`` the module's own, and no third name exists.
 
     Three options change the attention for the paper's ablations (Table 6) and leave everything else as it is:
     ``head_norm`` (the per-head RMSNorm: None is each kind's own choice, on for ``diff``, off for ``standard`` and
