@@ -147,17 +147,32 @@ def rotary_of(
 
 
 def project_heads(
-    attn: torch.nn.Module, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None, num_q_heads: int
+    attn: torch.nn.Module,
+    x: torch.Tensor,
+    positions: torch.Tensor | None,
+    cache,
+    rotary: tuple[torch.Tensor, torch.Tensor] | None,
+    num_q_heads: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q (B, num_q_heads, T, d), k and v (B, Hkv, T, d) with rotary applied, for the softmax-attention modules.
-
-    ``attn`` provides q_proj, k_proj, v_proj, head_dim and num_kv_heads; ``rotary`` is (cos, sin) or None.
-    """
+    """q (B, num_q_heads, T, d), k and v (B, Hkv, T, d) with rotary applied (rotary_of), for the softmax-attention
+    modules. ``attn`` provides q_proj, k_proj, v_proj, head_dim and num_kv_heads."""
     b, t, _ = x.shape
     d = attn.head_dim
     q = attn.q_proj(x).view(b, t, num_q_heads, d)
     k = attn.k_proj(x).view(b, t, attn.num_kv_heads, d)
     v = attn.v_proj(x).view(b, t, attn.num_kv_heads, d)
-    if rotary is not None:
+    if (rotary := rotary_of(attn, x, positions, cache, rotary)) is not None:
         q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
     return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+
+
+def attended(
+    attn: torch.nn.Module, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, cache, tq: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The keys, values and normalised mask that ``tq`` queries attend: with a cache every slot (the new keys and
+    values written at theirs) and the cache's mask, which includes causality; without, the new ones and ``mask``
+    expanded (expand_mask). The heads' axis is 1 and the keys' axis -2 of ``v``."""
+    if cache is not None:
+        k, v = cache.update(attn.layer_idx, k, v)
+        return k, v, cache.mask
+    return k, v, expand_mask(mask, v.shape[0], tq, v.shape[-2])

@@ -26,7 +26,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from difftransformer.core.attention.common import AttentionBase, KVStore, expand_mask, rotary_of
+from difftransformer.core.attention.common import AttentionBase, KVStore, attended, rotary_of
 from difftransformer.core.attention.gqa_layout import warn_unknown_pairing
 from difftransformer.core.attention.kernels import attention_probs, diff_method, softmax_dtype
 from difftransformer.core.attention.logits import active_probe
@@ -199,10 +199,7 @@ class MultiheadDiffAttn(AttentionBase):
         q = q.permute(0, 2, 3, 1, 4)  # (B, H, 2, T, d)
         k = k.permute(0, 2, 3, 1, 4)  # (B, Hkv, 2, T, d)
         v = v.transpose(1, 2)  # (B, Hkv, T, 2d)
-        if cache is not None:  # all L slots: (B, Hkv, 2, L, d), (B, Hkv, L, 2d), and the cache's mask
-            k, v = cache.update(self.layer_idx, k, v)
-            return q, k, v, cache.mask
-        return q, k, v, expand_mask(mask, b, t, v.shape[-2])
+        return q, *attended(self, k, v, mask, cache, t)  # with a cache all L slots
 
     def cache_shapes(self, batch: int, slots: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """Shapes of this layer's cached keys and values: (B, Hkv, 2, L, d) and (B, Hkv, L, 2d)."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from difftransformer.core.attention.common import AttentionBase, KVStore, expand_mask, project_heads, rotary_of
+from difftransformer.core.attention.common import AttentionBase, KVStore, attended, project_heads
 from difftransformer.core.attention.kernels import softmax_dtype, standard_attention
 from difftransformer.core.config import ModelConfig
 
@@ -71,13 +71,8 @@ class MultiheadDiffAttnV2(AttentionBase):
         """
         b, t, _ = x.shape
         d, h = self.head_dim, self.num_heads
-        rotary = rotary_of(self, x, positions, cache, rotary)
-        q, k, v = project_heads(self, x, rotary, 2 * h)  # (B, heads, T, d)
-        if cache is not None:  # all L slots (B, Hkv, L, d), and the cache's mask (causality included)
-            k, v = cache.update(self.layer_idx, k, v)
-            mask = cache.mask
-        else:
-            mask = expand_mask(mask, b, t, v.shape[-2])
+        q, k, v = project_heads(self, x, positions, cache, rotary, 2 * h)  # (B, heads, T, d)
+        k, v, mask = attended(self, k, v, mask, cache, t)  # with a cache all L slots (B, Hkv, L, d)
         attn, probs = standard_attention(
             q, k, v, scale=self.scaling, causal=self.causal and cache is None, mask=mask, need_weights=need_weights
         )  # (B, 2H, T, d)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from difftransformer.core.attention.common import AttentionBase, KVStore, expand_mask, project_heads, rotary_of
+from difftransformer.core.attention.common import AttentionBase, KVStore, attended, project_heads
 from difftransformer.core.attention.kernels import standard_attention
 from difftransformer.core.config import ModelConfig
 from difftransformer.core.layers import RMSNorm
@@ -69,14 +69,8 @@ class MultiheadAttention(AttentionBase):
         """
         b, t, _ = x.shape
         d = self.head_dim
-        q, k, v = project_heads(
-            self, x, rotary_of(self, x, positions, cache, rotary), self.num_heads
-        )  # (B, heads, T, d)
-        if cache is not None:  # all L slots (B, Hkv, L, d), and the cache's mask (causality included)
-            k, v = cache.update(self.layer_idx, k, v)
-            mask = cache.mask
-        else:
-            mask = expand_mask(mask, b, t, v.shape[-2])
+        q, k, v = project_heads(self, x, positions, cache, rotary, self.num_heads)  # (B, heads, T, d)
+        k, v, mask = attended(self, k, v, mask, cache, t)  # with a cache all L slots (B, Hkv, L, d)
         attn, weights = standard_attention(
             q, k, v, scale=self.scaling, causal=self.causal and cache is None, mask=mask, need_weights=need_weights
         )
