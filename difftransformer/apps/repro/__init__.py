@@ -1,2 +1,3 @@
-"""The paper's attention-noise claims on synthetic tasks (`difftx repro`): multi-needle retrieval, attention
-allocation and in-context learning, each training matched DIFF / standard pairs and writing a report."""
+"""The paper's claims measured (`difftx repro`): the attention-noise experiments on synthetic tasks (multi-needle
+retrieval, attention allocation, in-context learning), the language-model study, and outliers and quantization; each
+trains or reads matched DIFF / standard pairs and writes a report."""
