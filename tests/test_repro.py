@@ -175,7 +175,7 @@ def tiny_scales(monkeypatch):
 def test_an_experiments_models_are_run_directories(tmp_path, tiny_scales):
     """A trained model is saved as a run directory that load_run reads back to the same outputs; the training loop
     is the library's (same losses as optimizer_step on the same batches); a 0.1 model file gets a clear error."""
-    from difftransformer.apps.repro.fit import find_models, fit, load_model
+    from difftransformer.apps.repro.fit import find_models, fit
     from difftransformer.training.runs import load_run
 
     spec = needle.SCALES["cpu"]
@@ -189,7 +189,7 @@ def test_an_experiments_models_are_run_directories(tmp_path, tiny_scales):
     _, trained = fit("diff", 0, spec, sample, lambda m: 0.0)  # trained again: the same weights
     x = needle.eval_set(2, 1, spec.seq_len, 4).tokens
     with torch.no_grad():
-        assert torch.equal(model(x), trained(x)) and torch.equal(model(x), load_model(found[("diff", 0)])(x))
+        assert torch.equal(model(x), trained(x))
     assert record["eval"]["by_nr"] and record["config"]["attention"] == "diff"
     (tmp_path / "models" / "needle-standard-seed0.pt").write_bytes(b"old")
     with pytest.raises(ValueError, match="model file of difftransformer 0.1 .* run the experiment again"):

@@ -377,10 +377,8 @@ class Trainer:
             self.sampler.batch(self.step_idx, self.world.rank * cfg.grad_accum + micro, parts)
             for micro in range(cfg.grad_accum)
         ]
-        row = optimizer_step(
-            self.model, self.optimizer, micro_batches, lr_at(self.step_idx, cfg), cfg.grad_clip, self.world.device,
-            self.amp,
-        )  # fmt: skip
+        lr = lr_at(self.step_idx, cfg)
+        row = optimizer_step(self.model, self.optimizer, micro_batches, lr, cfg.grad_clip, self.world.device, self.amp)
         self.step_idx += 1
         return row
 

@@ -23,10 +23,11 @@ import torch
 
 from difftransformer.apps.analysis import allocation, attention_maps
 from difftransformer.apps.repro import needle, report
-from difftransformer.apps.repro.fit import find_models, load_model, run_pairs, scaled_spec
+from difftransformer.apps.repro.fit import find_models, run_pairs, scaled_spec
 from difftransformer.apps.repro.tasks import MARK
 from difftransformer.errors import InputError
 from difftransformer.fsutil import write_json
+from difftransformer.training.runs import load_run
 
 TASK = "allocation"
 PAPER = {  # docs/paper.md section 3: answer share by depth 0/25/50/75/100%; noise only as a range over depths
@@ -85,7 +86,7 @@ def run(
     evals = []
     for seed in seeds:
         for attention in report.PAIR:
-            model = load_model(found[(attention, seed)])
+            model = load_run(found[(attention, seed)])[0]
             if model.config.max_seq_len != spec.seq_len:
                 raise InputError(
                     f"{found[(attention, seed)]} was trained at context {model.config.max_seq_len}, not the "
@@ -211,7 +212,7 @@ def _plot_rows(result: dict, found: dict, seq_len: int, out: Path) -> None:
     fig, axes = plt.subplots(2, 1, figsize=(10, 4.5), sharex=True)
     for ax, a in zip(axes, report.PAIR, strict=True):
         layer = next(e["best_head"][0] for e in result["evals"] if e["attention"] == a and e["seed"] == seed)
-        maps = attention_maps(load_model(found[(a, seed)]), nb.tokens)[layer].mixed[0]  # (H, T, T)
+        maps = attention_maps(load_run(found[(a, seed)])[0], nb.tokens)[layer].mixed[0]  # (H, T, T)
         for h, row in enumerate(maps[:, int(nb.answer_pos[0])]):
             ax.plot(row.tolist(), lw=1, label=f"head {h}")
         for m in marks:

@@ -26,10 +26,11 @@ from difftransformer.core.config import ModelConfig
 from difftransformer.core.model import TransformerLM
 from difftransformer.errors import InputError
 from difftransformer.training.loop import lr_at, make_optimizer, optimizer_step
-from difftransformer.training.runs import MODEL_CONFIG, load_run, save_run
+from difftransformer.training.runs import MODEL_CONFIG, save_run
 from difftransformer.training.tokenizer import IdTokenizer
 
 ATTENTIONS = ("diff", "standard")
+CPU = torch.device("cpu")  # one thread per model, several models at a time
 
 
 @dataclass
@@ -134,9 +135,6 @@ def fit(
     return record, model.eval()
 
 
-CPU = torch.device("cpu")
-
-
 def _mean(xs: list[float]) -> float | None:
     return round(sum(xs) / len(xs), 4) if xs else None
 
@@ -163,11 +161,6 @@ def save_model(model: TransformerLM, record: dict, out: Path, task: str, spec: F
     meta = {"experiment": task, "seed": record["seed"], "spec": asdict(spec)}
     path = model_dir(out, task, record["attention"], record["seed"])
     return save_run(model, IdTokenizer(VOCAB), path, meta, spec.steps)
-
-
-def load_model(path: Path) -> TransformerLM:
-    """The trained model of an experiment's run directory, in eval mode."""
-    return load_run(path)[0]
 
 
 def find_models(folder: Path, task: str) -> dict[tuple[str, int], Path]:
