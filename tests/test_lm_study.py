@@ -10,7 +10,7 @@ import torch
 from conftest import optional
 
 from difftransformer.apps.repro import lm, lm_measure, lm_report
-from difftransformer.apps.repro.scaling import PowerLaw, fit_power_law, fraction_needed, t_interval
+from difftransformer.apps.repro.scaling import PowerLaw, fit_power_law, fraction_needed
 from difftransformer.errors import ConfigError, InputError
 from difftransformer.training.data import TokenData, is_val_document, prepare
 from difftransformer.training.evaluate import token_losses
@@ -109,12 +109,6 @@ def test_fraction_needed_has_a_closed_form():
         assert fraction_needed(candidate, reference, x) == pytest.approx((5 / 6) ** 10)
     assert fraction_needed(reference, candidate, 1e5) == pytest.approx((6 / 5) ** 10)  # worse: more than 100%
     assert math.isnan(fraction_needed(PowerLaw(5.0, -0.01), reference, 1e5))  # loss rising with x: never reached
-
-
-def test_t_interval_by_hand():
-    mean, low, high = t_interval([1.0, 2.0, 3.0])
-    assert mean == 2.0 and high - mean == pytest.approx(4.303 / math.sqrt(3))
-    assert t_interval([0.5]) == (0.5, 0.5, 0.5)
 
 
 def test_fit_refuses_what_it_cannot_fit():

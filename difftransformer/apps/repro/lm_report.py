@@ -24,7 +24,8 @@ from difftransformer.apps.repro.lm import (
     read_measures,
     sweep_runs,
 )
-from difftransformer.apps.repro.scaling import fit_power_law, fraction_needed, t_interval
+from difftransformer.apps.repro.scaling import fit_power_law, fraction_needed
+from difftransformer.apps.repro.stats import t_interval
 from difftransformer.fsutil import read_json_object, write_json
 
 PAPER = {

@@ -13,9 +13,6 @@ import math
 import statistics
 from dataclasses import dataclass
 
-# two-sided 95% Student t quantiles by degrees of freedom (1..10)
-T95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228)
-
 
 @dataclass(frozen=True)
 class PowerLaw:
@@ -48,12 +45,3 @@ def fraction_needed(candidate: PowerLaw, reference: PowerLaw, x: float) -> float
     if candidate.b <= 0:
         return float("nan")
     return candidate.inverse(reference(x)) / x
-
-
-def t_interval(values: list[float]) -> tuple[float, float, float]:
-    """(mean, low, high): the 95% Student t interval of the mean (low = high = mean for one value)."""
-    m = statistics.fmean(values)
-    if len(values) < 2:
-        return m, m, m
-    half = T95[min(len(values) - 1, len(T95)) - 1] * statistics.stdev(values) / math.sqrt(len(values))
-    return m, m - half, m + half
