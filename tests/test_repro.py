@@ -83,7 +83,29 @@ def test_needle_outcome_shares():
     guess[4:6] = nb.other_values[4:6, 0]  # two answer another needle's value
     guess[6:] = MARK  # two answer something else
     shares = needle.outcomes(_Predicts(guess), nb)
-    assert shares == {"correct": 0.5, "other_needle": 0.25, "other": 0.25}
+    assert shares == {"correct": 0.5, "other_needle": 0.25, "in_context": 0.25, "not_in_context": 0.0}
+
+
+def test_answer_kinds_on_hand_made_predictions():
+    """Filler 5 3, needles [MARK 7 9] and [MARK 8 11], query [QRY 7] -> 9; token 40 comes only after the prompt."""
+    from difftransformer.apps.repro.tasks import NeedleBatch
+
+    row = torch.tensor([5, MARK, 7, 9, 3, MARK, 8, 11, QRY, 7, 9, 40])
+    nb = NeedleBatch(
+        tokens=row.expand(6, -1),
+        targets=torch.full((6, 12), IGNORE),
+        answer_pos=torch.full((6,), 9),
+        answer=torch.full((6,), 9),
+        other_values=torch.full((6, 1), 11),
+        needle_start=torch.full((6,), 1),
+    )
+    kinds = needle.answer_kinds(torch.tensor([9, 11, 3, 8, 50, 40]), nb)
+    assert {k: v.tolist() for k, v in kinds.items()} == {
+        "correct": [True, False, False, False, False, False],
+        "other_needle": [False, True, False, False, False, False],
+        "in_context": [False, False, True, True, False, False],  # filler, another needle's key
+        "not_in_context": [False, False, False, False, True, True],  # never seen; seen only after the prompt
+    }
 
 
 def test_allocation_on_a_hand_made_map():

@@ -29,6 +29,7 @@ PAPER_NR = {"diff": [1.00, 0.92, 0.84, 0.85], "standard": [1.00, 0.85, 0.62, 0.5
 DEPTHS = [0.0, 0.25, 0.5, 0.75, 1.0]
 GRID_NEEDLES = (4, 2)  # (N, R) of the depth x length grid, the curves and the allocation measurement
 EVAL_SEED = 1_000_003  # every model is scored on the same examples
+ANSWER_KINDS = ("correct", "other_needle", "in_context", "not_in_context")
 
 
 def sample(gen: torch.Generator, batch: int, seq_len: int, needles: list[int], queries: int):
@@ -43,18 +44,30 @@ def eval_set(n: int, r: int, length: int, size: int, depth: float | None = None)
     return needle_batch(torch.Generator().manual_seed(seed), size, length, n, r, depth)
 
 
-@torch.no_grad()
-def outcomes(model, nb: NeedleBatch) -> dict[str, float]:
-    """Shares of the first query's predictions: correct, another needle's value, anything else."""
-    logits = model(nb.tokens)[torch.arange(len(nb.answer)), nb.answer_pos]
-    pred = logits.argmax(-1)
+def answer_kinds(pred: torch.Tensor, nb: NeedleBatch) -> dict[str, torch.Tensor]:
+    """What each first-query prediction is, as boolean masks over the batch that partition it:
+    ``correct``; ``other_needle`` (another needle's value: a real value from the context, the wrong one);
+    ``in_context`` (another token of the prompt, such as a key or filler); ``not_in_context`` (a token the prompt
+    does not hold at all: a contextual hallucination). The prompt is every token up to the answer's position."""
     correct = pred == nb.answer
     other_needle = (pred[:, None] == nb.other_values).any(-1) & ~correct
+    positions = torch.arange(nb.tokens.shape[1])
+    prompt = positions[None, :] <= nb.answer_pos[:, None]
+    seen = ((nb.tokens == pred[:, None]) & prompt).any(-1)
+    in_context = seen & ~correct & ~other_needle
     return {
-        "correct": correct.float().mean().item(),
-        "other_needle": other_needle.float().mean().item(),
-        "other": (~correct & ~other_needle).float().mean().item(),
+        "correct": correct,
+        "other_needle": other_needle,
+        "in_context": in_context,
+        "not_in_context": ~seen & ~correct & ~other_needle,
     }
+
+
+@torch.no_grad()
+def outcomes(model, nb: NeedleBatch) -> dict[str, float]:
+    """Shares of the first query's predictions of each kind (answer_kinds)."""
+    logits = model(nb.tokens)[torch.arange(len(nb.answer)), nb.answer_pos]
+    return {kind: mask.float().mean().item() for kind, mask in answer_kinds(logits.argmax(-1), nb).items()}
 
 
 def curve_score(model, seq_len: int, size: int) -> float:
@@ -129,8 +142,9 @@ def markdown(result: dict) -> str:
         lines.append(f"| ({n}, {r}) | {cells[0]} | {cells[1]} | {paper[0]} | {paper[1]} | {1 / n:.2f} |")
     lines += [
         "",
-        "What the first query's answer was (mean over seeds): correct / another needle's value / anything else. "
-        "Accuracy above the random-needle baseline 1/N is what shows matching the key.",
+        "What the first query's answer was (mean over seeds): correct / another needle's value / another token of "
+        "the prompt / a token not in the prompt at all (a contextual hallucination). Accuracy above the "
+        "random-needle baseline 1/N is what shows matching the key.",
         "",
         "| (N, R) | DIFF | standard |",
         "|---|---|---|",
@@ -139,10 +153,7 @@ def markdown(result: dict) -> str:
         key = f"{n},{r}"
         cells = []
         for a in report.PAIR:
-            shares = [
-                report.mean(_values(result, a, lambda e, k=key, s=s: e["by_nr"][k][s]))
-                for s in ("correct", "other_needle", "other")
-            ]
+            shares = [report.mean(_values(result, a, lambda e, k=key, s=s: e["by_nr"][k][s])) for s in ANSWER_KINDS]
             cells.append(" / ".join(f"{x:.2f}" for x in shares))
         lines.append(f"| ({n}, {r}) | {cells[0]} | {cells[1]} |")
     n, r = result["grid_needles"]
