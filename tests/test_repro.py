@@ -55,9 +55,39 @@ def test_needle_batch_layout():
     assert torch.equal(again.tokens, nb.tokens)  # the same seed gives the same data, whatever model trains on it
 
 
+def test_disjoint_needle_vocabulary_keeps_answers_out_of_the_filler():
+    from difftransformer.apps.repro.tasks import NEEDLE_FILLER, NEEDLE_KEYS, NEEDLE_VALUES
+
+    nb = needle_batch(torch.Generator().manual_seed(3), 64, 48, 3, 2, vocab="disjoint")
+    hay = 48 - 3 * 2
+    for i in range(64):
+        t = nb.tokens[i].tolist()
+        marks = [p for p in range(hay) if t[p] == MARK]
+        needle_pos = {p for m in marks for p in (m, m + 1, m + 2)}
+        assert len(marks) == 3
+        assert all(t[m + 1] in NEEDLE_KEYS and t[m + 2] in NEEDLE_VALUES for m in marks)
+        assert all(t[p] in NEEDLE_FILLER for p in range(hay) if p not in needle_pos)  # no key or value in filler
+        prompt = t[: int(nb.answer_pos[i]) + 1]
+        assert prompt.count(int(nb.answer[i])) == 1  # the answer is in its needle only: nothing leaks
+        assert prompt.count(t[hay + 1]) == 2  # the asked key: in its needle and in the query
+    noisy = needle_batch(torch.Generator().manual_seed(3), 64, 48, 3, 2, vocab="disjoint", key_noise=0.3)
+    hay_tokens = torch.cat([noisy.tokens[i, :hay] for i in range(64)])
+    filler_or_key = hay_tokens[hay_tokens != MARK]
+    share = ((filler_or_key >= NEEDLE_KEYS[0]) & (filler_or_key <= NEEDLE_KEYS[-1])).float().mean().item()
+    assert 0.25 < share < 0.35  # 30% of the filler became distractor keys (and 3 of 39 tokens are needle keys)
+
+
 @pytest.mark.parametrize(
     "args, message",
-    [((10, 3, 4), "need 1 <= R <= N"), ((10, 3, 1), "too short"), ((64, 31, 1), "at most 30 needles")],
+    [
+        ((10, 3, 4), "need 1 <= R <= N"),
+        ((10, 3, 1), "too short"),
+        ((64, 31, 1), "at most 30 needles"),
+        ((64, 21, 1, None, "disjoint"), "at most 20 needles"),
+        ((64, 2, 1, None, "mixed"), "unknown needle vocabulary 'mixed'"),
+        ((64, 2, 1, None, "shared", 0.1), "needs the disjoint vocabulary"),
+        ((64, 2, 1, None, "disjoint", 1.5), "key_noise must be in"),
+    ],
 )
 def test_needle_batch_rejects_impossible_settings(args, message):
     with pytest.raises(ValueError, match=message):

@@ -25,9 +25,12 @@ from difftransformer.errors import InputError
 VOCAB = 64
 IGNORE = -100
 
-# Needle task: content tokens 0..59 (filler, keys, values), then the markers.
+# Needle task: content tokens 0..59, then the markers. With the "shared" vocabulary filler, keys and values are all
+# drawn from the 60 content tokens; with "disjoint" keys are 0..19, values 20..39 and filler 40..59.
 NEEDLE_CONTENT = 60
 MARK, QRY = 60, 61
+NEEDLE_KEYS, NEEDLE_VALUES, NEEDLE_FILLER = range(0, 20), range(20, 40), range(40, 60)
+NEEDLE_VOCABS = ("shared", "disjoint")
 
 # ICL task: feature tokens 0..47, label tokens 48..55.
 ICL_FEATURES = 48
@@ -55,30 +58,50 @@ def needle_batch(
     n_needles: int,
     n_queries: int,
     depth: float | None = None,
+    vocab: str = "shared",
+    key_noise: float = 0.0,
 ) -> NeedleBatch:
     """B sequences of ``length`` tokens: haystack with N needles, then R queries (first scored).
 
     depth: where the first query's needle starts, as a fraction of the haystack (0 = first position, 1 = last
-    possible); None draws it uniformly.
+    possible); None draws it uniformly. vocab: "shared" draws filler, keys and values from one set of tokens (a key
+    also turns up in the filler, without its MARK); "disjoint" draws them from three sets, and ``key_noise`` is then
+    the share of filler tokens replaced by random key tokens (distractor keys without a MARK).
     """
     if not 1 <= n_queries <= n_needles:
         raise InputError(f"need 1 <= R <= N, got N={n_needles}, R={n_queries}")
-    if n_needles > NEEDLE_CONTENT // 2:
-        raise InputError(f"at most {NEEDLE_CONTENT // 2} needles (distinct keys and values), got {n_needles}")
+    if vocab not in NEEDLE_VOCABS:
+        raise InputError(f"unknown needle vocabulary {vocab!r}; choose one of {NEEDLE_VOCABS}")
+    most = NEEDLE_CONTENT // 2 if vocab == "shared" else len(NEEDLE_KEYS)
+    if n_needles > most:
+        raise InputError(f"at most {most} needles (distinct keys and values), got {n_needles}")
+    if not 0.0 <= key_noise <= 1.0 or (key_noise and vocab == "shared"):
+        raise InputError(f"key_noise must be in [0, 1] and needs the disjoint vocabulary, got {key_noise} ({vocab})")
     hay = length - 3 * n_queries
     if hay < 3 * n_needles:
         raise InputError(f"length {length} is too short for {n_needles} needles and {n_queries} queries")
     if depth is not None and not 0.0 <= depth <= 1.0:
         raise InputError(f"depth must be in [0, 1], got {depth}")
-    tokens = torch.randint(0, NEEDLE_CONTENT, (batch, length), generator=gen)
+    if vocab == "shared":
+        tokens = torch.randint(0, NEEDLE_CONTENT, (batch, length), generator=gen)
+    else:
+        tokens = NEEDLE_FILLER[0] + torch.randint(0, len(NEEDLE_FILLER), (batch, length), generator=gen)
+        if key_noise:
+            noisy = torch.rand(batch, length, generator=gen) < key_noise
+            keys = NEEDLE_KEYS[0] + torch.randint(0, len(NEEDLE_KEYS), (batch, length), generator=gen)
+            tokens = torch.where(noisy, keys, tokens)
     targets = torch.full((batch, length), IGNORE)
     answer_pos = torch.empty(batch, dtype=torch.long)
     answer = torch.empty(batch, dtype=torch.long)
     others = torch.empty(batch, n_needles - 1, dtype=torch.long)
     starts = torch.empty(batch, dtype=torch.long)
     for i in range(batch):
-        symbols = torch.randperm(NEEDLE_CONTENT, generator=gen)
-        keys, values = symbols[:n_needles], symbols[n_needles : 2 * n_needles]
+        if vocab == "shared":
+            symbols = torch.randperm(NEEDLE_CONTENT, generator=gen)
+            keys, values = symbols[:n_needles], symbols[n_needles : 2 * n_needles]
+        else:
+            keys = NEEDLE_KEYS[0] + torch.randperm(len(NEEDLE_KEYS), generator=gen)[:n_needles]
+            values = NEEDLE_VALUES[0] + torch.randperm(len(NEEDLE_VALUES), generator=gen)[:n_needles]
         slots = _needle_slots(gen, hay, n_needles, depth)  # slots[0] holds needle 0, the first one queried
         for j, start in enumerate(slots):
             tokens[i, start : start + 3] = torch.stack((torch.tensor(MARK), keys[j], values[j]))
