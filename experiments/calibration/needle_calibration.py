@@ -7,7 +7,8 @@ the final accuracy at N = 1, 2, 4, 6 with the shares of each answer kind (needle
     .venv/bin/python experiments/calibration/needle_calibration.py GRID.json OUT.jsonl [--workers 2]
 
 GRID.json is a list of settings: attention, vocab ("shared" or "disjoint"), key_noise, lr, steps, length, needles
-(the N drawn per training batch), seed, and optionally d_model, n_layers. Results append to OUT.jsonl.
+(the N drawn per training batch), seed, and optionally d_model, n_layers and curriculum: [[until_step, needles],
+...], the N drawn before each step (the last entry's needles after its step). Results append to OUT.jsonl.
 """
 
 from __future__ import annotations
@@ -28,10 +29,19 @@ EVAL = 256
 FINAL_N = (1, 2, 4, 6)
 
 
-def sample(gen, batch, length, needles, vocab, key_noise):
-    n = needles[int(torch.randint(0, len(needles), (), generator=gen))]
-    nb = needle_batch(gen, batch, length, n, 1, vocab=vocab, key_noise=key_noise)
-    return nb.tokens, nb.targets
+class Sampler:
+    """Training batches; N drawn from the curriculum's needles of the current step (one call per step)."""
+
+    def __init__(self, curriculum, length, vocab, key_noise):
+        self.curriculum, self.task, self.step = curriculum, dict(vocab=vocab, key_noise=key_noise), 0
+        self.length = length
+
+    def __call__(self, gen, batch):
+        needles = next((n for until, n in self.curriculum if self.step < until), self.curriculum[-1][1])
+        self.step += 1
+        n = needles[int(torch.randint(0, len(needles), (), generator=gen))]
+        nb = needle_batch(gen, batch, self.length, n, 1, **self.task)
+        return nb.tokens, nb.targets
 
 
 def eval_set(length, n, vocab, key_noise):
@@ -49,10 +59,9 @@ def job(setting: dict) -> dict:
         batch_size=32, lr=s["lr"], eval_every=max(1, s["steps"] // 8),
     )  # fmt: skip
     task = dict(length=s["length"], vocab=s["vocab"], key_noise=s["key_noise"])
-    record, model = fit(
-        s["attention"], s["seed"], spec, partial(sample, needles=s["needles"], **task),
-        partial(curve_score, n=s["needles"][0], **task),
-    )  # fmt: skip
+    curriculum = s.get("curriculum") or [[s["steps"], s["needles"]]]
+    score = partial(curve_score, n=curriculum[0][1][0], **task)
+    record, model = fit(s["attention"], s["seed"], spec, Sampler(curriculum, **task), score)
     final = {n: needle.outcomes(model, eval_set(n=n, **task)) for n in FINAL_N}
     curve = [(c["step"], c["seconds"], c["accuracy"]) for c in record["curve"]]
     return {**s, "seconds": record["seconds"], "curve": curve, "final": final}
