@@ -164,7 +164,7 @@ class IdTokenizer:
 
     def __init__(self, vocab_size: int) -> None:
         if not isinstance(vocab_size, int) or isinstance(vocab_size, bool) or vocab_size < 1:
-            raise InputError(f"a token-id tokenizer needs a vocabulary size of at least 1, got {vocab_size!r}")
+            raise InputError(f"vocab_size must be a positive integer, got {vocab_size!r}")
         self.vocab_size = vocab_size
         self.eot_id = None
         self.bos_id = None
@@ -270,10 +270,10 @@ def load_tokenizer(directory: str | Path) -> Tokenizer:
     if spec.get("kind") == "byte":
         return ByteTokenizer()
     if spec.get("kind") == "ids":
-        vocab_size = spec.get("vocab_size")
-        if not isinstance(vocab_size, int) or isinstance(vocab_size, bool) or vocab_size < 1:
-            raise InputError(f"{spec_path} is damaged: vocab_size must be a positive integer, got {vocab_size!r}")
-        return IdTokenizer(vocab_size)
+        try:
+            return IdTokenizer(spec.get("vocab_size"))
+        except InputError as err:
+            raise InputError(f"{spec_path} is damaged: {err}") from None
     if spec.get("kind") == "hf":
         file, eot, stop, bos = spec.get("file", HF_FILE), spec.get("eot", EOT), spec.get("stop", []), spec.get("bos")
         if not (
