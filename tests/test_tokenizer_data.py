@@ -57,7 +57,7 @@ def test_id_tokenizer_reads_and_writes_token_ids(tmp_path):
     tok.save(tmp_path)
     again = load_tokenizer(tmp_path)
     assert isinstance(again, IdTokenizer) and again.fingerprint() == "ids-64"
-    for text, bad in [("1 64", "'64'"), ("1 -2", "'-2'"), ("a b", "'a'"), ("1.0", "'1.0'")]:
+    for text, bad in [("1 64", "'64'"), ("1 -2", "'-2'"), ("a b", "'a'"), ("1.0", "'1.0'"), ("1 ²", "'²'")]:
         with pytest.raises(ValueError, match=f"{bad} is not a token id: this model reads whitespace-separated ids"):
             tok.encode(text)
     with pytest.raises(ValueError, match="has no Hugging Face tokenizer"):

@@ -173,7 +173,7 @@ class IdTokenizer:
     def encode(self, text: str) -> list[int]:
         ids = []
         for word in text.split():
-            if not word.isdigit() or int(word) >= self.vocab_size:
+            if not (word.isascii() and word.isdigit()) or int(word) >= self.vocab_size:
                 raise InputError(
                     f"{word!r} is not a token id: this model reads whitespace-separated ids from 0 to "
                     f"{self.vocab_size - 1}"
