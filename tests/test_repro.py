@@ -3,7 +3,6 @@ and the commands end to end on a tiny setting."""
 
 import json
 from dataclasses import replace
-from functools import partial
 
 import pytest
 import torch
@@ -28,6 +27,7 @@ from difftransformer.apps.repro.tasks import (
     needle_batch,
 )
 from difftransformer.core.config import ModelConfig
+from difftransformer.errors import InputError
 
 
 def test_needle_batch_layout():
@@ -92,6 +92,54 @@ def test_disjoint_needle_vocabulary_keeps_answers_out_of_the_filler():
 def test_needle_batch_rejects_impossible_settings(args, message):
     with pytest.raises(ValueError, match=message):
         needle_batch(torch.Generator(), 2, *args)
+
+
+def test_needle_sampler_follows_its_curriculum_and_trains_every_query():
+    """Stage by stage, each batch holds one of that stage's N (counted as MARKs per row), with R = N queries under
+    "all" and R = min(queries, N) otherwise; every query trains its key and its value (2R targets per row)."""
+    spec = FitSpec(seq_len=48, steps=9, task=dict(queries="all", vocab="disjoint", curriculum=[[3, [1]], [6, [2, 3]]]))
+    sample, gen = needle.sampler(spec), torch.Generator().manual_seed(0)
+    seen = []
+    for step in range(9):
+        tokens, targets = sample(gen, 8)
+        n = (tokens == MARK).sum(1)
+        assert (n == n[0]).all() and ((tokens == QRY).sum(1) == n).all()
+        assert ((targets != IGNORE).sum(1) == 2 * n).all()
+        values = tokens[:, 2:][tokens[:, :-2] == MARK]
+        assert ((values >= 20) & (values < 40)).all()  # the disjoint vocabulary's values
+        seen.append((step, int(n[0])))
+    assert [n for s, n in seen if s < 3] == [1, 1, 1]
+    assert {n for s, n in seen if s >= 3} <= {2, 3} and len({n for s, n in seen if s >= 3}) == 2  # after: last stage
+    one_query = needle.sampler(replace(spec, task=dict(needles=[4], queries=2)))  # shared vocabulary, no curriculum
+    tokens, targets = one_query(gen, 8)
+    assert ((tokens == MARK).sum(1) == 4).all() and ((tokens == QRY).sum(1) == 2).all()
+    assert ((targets != IGNORE).sum(1) == 4).all()
+
+
+@pytest.mark.parametrize(
+    "task, message",
+    [
+        (dict(queries="all", curriculum=[[5, [2]], [3, [4]]]), "until_steps must increase"),
+        (dict(queries="all", curriculum=[[5, []]]), "non-empty list of"),
+        (dict(queries="all", curriculum=[5, [2]]), "non-empty list of"),
+        (dict(queries=0, needles=[2]), "positive number or"),
+    ],
+)
+def test_needle_sampler_refuses_a_bad_curriculum(task, message):
+    with pytest.raises(InputError, match=message):
+        needle.sampler(FitSpec(task=task))
+
+
+def test_each_architecture_trains_at_its_own_learning_rate_when_given_one():
+    from difftransformer.apps.repro.fit import fit
+
+    spec = FitSpec(d_model=16, n_layers=1, n_heads=2, seq_len=16, steps=3, lr={"diff": 4e-3, "standard": 1e-3})
+    assert spec.for_attention("standard").lr == 1e-3 and spec.for_attention("diff").lr == 4e-3
+    assert replace(spec, lr=2e-3).for_attention("diff").lr == 2e-3  # one number: both
+    record, _ = fit("standard", 0, spec, needle.sampler(replace(spec, task=dict(needles=[1], queries=1))), lambda m: 0.0)
+    assert record["lr"] == 1e-3
+    with pytest.raises(InputError, match="not for 'diff': add one"):
+        replace(spec, lr={"standard": 1e-3}).for_attention("diff")
 
 
 class _Predicts(torch.nn.Module):
@@ -236,9 +284,7 @@ def test_an_experiments_models_are_run_directories(tmp_path, tiny_scales):
     assert list(found) == [("diff", 0)] and found[("diff", 0)] == tmp_path / "models" / "needle-diff-seed0"
     model, tokenizer = load_run(found[("diff", 0)])
     assert tokenizer.encode("60 5") == [60, 5]
-    opts = spec.task
-    sample = partial(needle.sample, seq_len=spec.seq_len, needles=opts["needles"], queries=opts["queries"])
-    _, trained = fit("diff", 0, spec, sample, lambda m: 0.0)  # trained again: the same weights
+    _, trained = fit("diff", 0, spec, needle.sampler(spec), lambda m: 0.0)  # trained again: the same weights
     x = needle.eval_set(2, 1, spec.seq_len, 4).tokens
     with torch.no_grad():
         assert torch.equal(model(x), trained(x))

@@ -7,8 +7,11 @@ the final accuracy at N = 1, 2, 4, 6 with the shares of each answer kind (needle
     .venv/bin/python experiments/calibration/needle_calibration.py GRID.json OUT.jsonl [--workers 2]
 
 GRID.json is a list of settings: attention, vocab ("shared" or "disjoint"), key_noise, lr, steps, length, needles
-(the N drawn per training batch), seed, and optionally d_model, n_layers and curriculum: [[until_step, needles],
-...], the N drawn before each step (the last entry's needles after its step). Results append to OUT.jsonl.
+(the N drawn per training batch), seed, and optionally: init_std (default 0.02), d_model, n_layers, n_heads (the
+standard model's; DIFF uses half); queries (R per training sequence, every query's answer trained: a number, or
+"all" for R = N; default 1); curve_n (the N of the learning curve; default the first stage's first N); curriculum
+([[until_step, needles], ...], the N drawn before each step; the last entry's needles after its step).
+Results append to OUT.jsonl.
 """
 
 from __future__ import annotations
@@ -19,50 +22,30 @@ from concurrent.futures import ProcessPoolExecutor
 from functools import partial
 from multiprocessing import get_context
 
-import torch
-
 from difftransformer.apps.repro import needle
 from difftransformer.apps.repro.fit import FitSpec, fit
-from difftransformer.apps.repro.tasks import needle_batch
 
 EVAL = 256
 FINAL_N = (1, 2, 4, 6)
 
 
-class Sampler:
-    """Training batches; N drawn from the curriculum's needles of the current step (one call per step)."""
-
-    def __init__(self, curriculum, length, vocab, key_noise):
-        self.curriculum, self.task, self.step = curriculum, dict(vocab=vocab, key_noise=key_noise), 0
-        self.length = length
-
-    def __call__(self, gen, batch):
-        needles = next((n for until, n in self.curriculum if self.step < until), self.curriculum[-1][1])
-        self.step += 1
-        n = needles[int(torch.randint(0, len(needles), (), generator=gen))]
-        nb = needle_batch(gen, batch, self.length, n, 1, **self.task)
-        return nb.tokens, nb.targets
-
-
-def eval_set(length, n, vocab, key_noise):
-    return needle_batch(torch.Generator().manual_seed(999 + n), EVAL, length, n, 1, vocab=vocab, key_noise=key_noise)
-
-
-def curve_score(model, length, n, vocab, key_noise):
-    return round(needle.outcomes(model, eval_set(length, n, vocab, key_noise))["correct"], 3)
+def curve_score(model, spec, n):
+    nb = needle.eval_set(n, 1, spec.seq_len, EVAL, **needle.vocabulary(spec))
+    return round(needle.outcomes(model, nb)["correct"], 3)
 
 
 def job(setting: dict) -> dict:
-    s = {"d_model": 64, "n_layers": 4, "key_noise": 0.0, "seed": 0, **setting}
+    s = {"d_model": 64, "n_layers": 4, "n_heads": 8, "key_noise": 0.0, "seed": 0, "init_std": 0.02, **setting}
     spec = FitSpec(
-        d_model=s["d_model"], n_layers=s["n_layers"], n_heads=8, seq_len=s["length"], steps=s["steps"],
-        batch_size=32, lr=s["lr"], eval_every=max(1, s["steps"] // 8),
+        d_model=s["d_model"], n_layers=s["n_layers"], n_heads=s["n_heads"], seq_len=s["length"], steps=s["steps"],
+        batch_size=32, lr=s["lr"], init_std=s["init_std"], eval_every=max(1, s["steps"] // 8),
     )  # fmt: skip
-    task = dict(length=s["length"], vocab=s["vocab"], key_noise=s["key_noise"])
-    curriculum = s.get("curriculum") or [[s["steps"], s["needles"]]]
-    score = partial(curve_score, n=curriculum[0][1][0], **task)
-    record, model = fit(s["attention"], s["seed"], spec, Sampler(curriculum, **task), score)
-    final = {n: needle.outcomes(model, eval_set(n=n, **task)) for n in FINAL_N}
+    spec.task = {k: s[k] for k in ("needles", "vocab", "key_noise")}
+    spec.task.update(queries=s.get("queries", 1), curriculum=s.get("curriculum"))
+    score = partial(curve_score, spec=spec, n=s.get("curve_n", (s.get("curriculum") or [[0, s["needles"]]])[0][1][0]))
+    record, model = fit(s["attention"], s["seed"], spec, needle.sampler(spec), score)
+    words = needle.vocabulary(spec)
+    final = {n: needle.outcomes(model, needle.eval_set(n, 1, spec.seq_len, EVAL, **words)) for n in FINAL_N}
     curve = [(c["step"], c["seconds"], c["accuracy"]) for c in record["curve"]]
     return {**s, "seconds": record["seconds"], "curve": curve, "final": final}
 

@@ -23,7 +23,7 @@ import torch
 
 from difftransformer.apps.analysis import allocation, attention_maps
 from difftransformer.apps.repro import needle, report
-from difftransformer.apps.repro.fit import find_models, run_pairs, scaled_spec
+from difftransformer.apps.repro.fit import FitSpec, find_models, run_pairs, scaled_spec
 from difftransformer.apps.repro.tasks import MARK
 from difftransformer.errors import InputError
 from difftransformer.fsutil import write_json
@@ -39,12 +39,13 @@ SUMMARIES = ("all layers", "last layer", "best head")
 
 
 @torch.no_grad()
-def measure(model, seq_len: int, depths: list[float], size: int) -> list[dict]:
-    """Per depth: {'answer', 'noise', 'answer_abs', 'noise_abs'} as (layers, heads) lists, means over sequences."""
+def measure(model, spec: FitSpec, depths: list[float], size: int) -> list[dict]:
+    """Per depth: {'answer', 'noise', 'answer_abs', 'noise_abs'} as (layers, heads) lists, means over sequences
+    (needle eval sets at ``spec``'s length and vocabulary)."""
     n, r = needle.GRID_NEEDLES
-    per_depth = []
+    seq_len, per_depth = spec.seq_len, []
     for depth in depths:
-        nb = needle.eval_set(n, r, seq_len, size, depth)
+        nb = needle.eval_set(n, r, seq_len, size, depth, **needle.vocabulary(spec))
         span = torch.stack((nb.needle_start, nb.needle_start + 3), dim=1)
         context_end = torch.full_like(nb.answer_pos, seq_len - 3 * r)
         layers = [allocation(m.mixed, nb.answer_pos, span, context_end) for m in attention_maps(model, nb.tokens)]
@@ -92,7 +93,7 @@ def run(
                     f"{found[(attention, seed)]} was trained at context {model.config.max_seq_len}, not the "
                     f"{scale} scale's {spec.seq_len}: pass the same `scale` as the needle run"
                 )
-            per_depth = measure(model, spec.seq_len, needle.DEPTHS, SIZE)
+            per_depth = measure(model, spec, needle.DEPTHS, SIZE)
             best = best_head(per_depth)
             evals.append(
                 {
@@ -116,7 +117,7 @@ def run(
     }
     write_json(out / "results.json", result)
     _plot(result, out)
-    _plot_rows(result, found, spec.seq_len, out)
+    _plot_rows(result, found, spec, out)
     (out / "section.md").write_text(markdown(result))
     return result
 
@@ -199,12 +200,13 @@ def _plot(result: dict, out: Path) -> None:
     plt.close(fig)
 
 
-def _plot_rows(result: dict, found: dict, seq_len: int, out: Path) -> None:
+def _plot_rows(result: dict, found: dict, spec: FitSpec, out: Path) -> None:
     """For one sequence (depth 50%) of the first seed: the answering row of every head in the layer of each model's
     best head, with the queried needle and the other needles marked."""
     plt = report.pyplot()
     n, r = needle.GRID_NEEDLES
-    nb = needle.eval_set(n, r, seq_len, 1, 0.5)
+    seq_len = spec.seq_len
+    nb = needle.eval_set(n, r, seq_len, 1, 0.5, **needle.vocabulary(spec))
     tokens = nb.tokens[0]
     marks = (tokens[: seq_len - 3 * r] == MARK).nonzero().flatten().tolist()
     start = int(nb.needle_start[0])

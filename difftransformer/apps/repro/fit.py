@@ -2,9 +2,10 @@
 
 A pair shares everything but the attention: the model config, the initialisation seed of the shared layers, the
 data stream (one generator seeded with the run's seed) and the optimiser (AdamW with the library's weight-decay
-groups, linear warmup then cosine, stepped by the training loop's ``optimizer_step``). Each run records a learning
-curve, accuracy on a fixed evaluation set against steps and against seconds, since a DIFF step costs more than a
-standard one. Each trained model is saved as a run directory (``load_run`` reads it; its tokenizer reads and
+groups, linear warmup then cosine, stepped by the training loop's ``optimizer_step``), except that the peak learning
+rate may be each architecture's own (``FitSpec.lr`` as {attention: lr}, each from its own sweep). Each run records a
+learning curve, accuracy on a fixed evaluation set against steps and against seconds, since a DIFF step costs more
+than a standard one. Each trained model is saved as a run directory (``load_run`` reads it; its tokenizer reads and
 writes token ids) under ``<out>/models/<task>-<attention>-seed<seed>``.
 """
 
@@ -14,7 +15,7 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from multiprocessing import get_context
 from pathlib import Path
 
@@ -43,16 +44,25 @@ class FitSpec:
     seq_len: int = 64
     steps: int = 3000
     batch_size: int = 32
-    lr: float = 3e-3
+    lr: float | dict[str, float] = 3e-3  # the peak learning rate, or {attention: its peak learning rate}
     weight_decay: float = 0.1
     betas: tuple[float, float] = (0.9, 0.95)
     warmup_steps: int = 100
     min_lr_ratio: float = 0.1
+    init_std: float = 0.02  # the weights' initial standard deviation (ModelConfig.init_std)
     eval_every: int = 250
     task: dict = field(default_factory=dict)  # the task's own options (e.g. needle counts)
     logit_bits: int | None = (
         None  # the final evaluation's attention logits quantized to this many bits (training: float)
     )
+
+    def for_attention(self, attention: str) -> FitSpec:
+        """This spec with ``attention``'s own learning rate when ``lr`` gives one per attention."""
+        if not isinstance(self.lr, dict):
+            return self
+        if attention not in self.lr:
+            raise InputError(f"`lr` gives learning rates for {sorted(self.lr)}, not for {attention!r}: add one")
+        return replace(self, lr=self.lr[attention])
 
     @property
     def max_steps(self) -> int:  # what train.lr_at reads
@@ -67,6 +77,7 @@ class FitSpec:
             max_seq_len=self.seq_len,
             attention=attention,
             tie_embeddings=True,
+            init_std=self.init_std,
         )
 
 
@@ -109,6 +120,7 @@ def fit(
     the trained model in eval mode."""
     torch.set_num_threads(threads)
     torch.manual_seed(seed)
+    spec = spec.for_attention(attention)
     model = TransformerLM(spec.model_config(attention))
     optimizer = make_optimizer(model, spec)
     data = torch.Generator().manual_seed(seed)
@@ -128,6 +140,7 @@ def fit(
     record = {
         "attention": attention,
         "seed": seed,
+        "lr": spec.lr,
         "seconds": round(seconds, 1),
         "curve": curve,
         "config": model.config.to_dict(),

@@ -141,10 +141,8 @@ def markdown(result: dict) -> str:
         "Synthetic many-shot classification: per episode, C classes each own "
         f"{FEATURES_PER_CLASS} random feature tokens and a random label token; an example is {EXAMPLE_FEATURES} of its "
         f"class's features and its label. Trained with {opts['shots']} "
-        f"demonstrations in random order, C drawn from {opts['classes']}, {spec['steps']} steps of batch "
-        f"{spec['batch_size']} (d_model {spec['d_model']}, {spec['n_layers']} layers, DIFF {spec['n_heads'] // 2} "
-        f"heads vs standard {spec['n_heads']}), seeds {result['seeds']}; {opts['eval_size']} query episodes per "
-        "point. Mean +- standard deviation over seeds.",
+        f"demonstrations in random order, C drawn from {opts['classes']}. {report.models_text(spec)}; seeds "
+        f"{result['seeds']}; {opts['eval_size']} query episodes per point. Mean +- standard deviation over seeds.",
         "",
         "Accuracy against the number of demonstrations:",
         "",

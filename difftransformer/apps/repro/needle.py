@@ -8,9 +8,10 @@ from pathlib import Path
 
 import torch
 
-from difftransformer.apps.repro import report
+from difftransformer.apps.repro import report, stats
 from difftransformer.apps.repro.fit import FitSpec, fit, save_and_evaluate, scaled_spec, train_pairs
 from difftransformer.apps.repro.tasks import NeedleBatch, needle_batch
+from difftransformer.errors import InputError
 from difftransformer.fsutil import write_json
 
 TASK = "needle"
@@ -32,16 +33,50 @@ EVAL_SEED = 1_000_003  # every model is scored on the same examples
 ANSWER_KINDS = ("correct", "other_needle", "in_context", "not_in_context")
 
 
-def sample(gen: torch.Generator, batch: int, seq_len: int, needles: list[int], queries: int):
-    """A training batch: N drawn from ``needles`` per batch, R = min(queries, N)."""
-    n = needles[int(torch.randint(0, len(needles), (), generator=gen))]
-    nb = needle_batch(gen, batch, seq_len, n, min(queries, n))
-    return nb.tokens, nb.targets
+class Sampler:
+    """The training batches of a needle run, one call per step: N is drawn per batch from the needles of the
+    curriculum's current stage ([[until_step, needles], ...]; the last stage's needles after its step), with R = N
+    queries when ``queries`` is "all", else R = min(queries, N). Every query's answer is trained."""
+
+    def __init__(self, length: int, curriculum: list, queries: int | str, vocab: str, key_noise: float):
+        ends = [stage[0] if isinstance(stage, (list, tuple)) and len(stage) == 2 else None for stage in curriculum]
+        if not curriculum or None in ends or any(not (isinstance(s[1], list) and s[1]) for s in curriculum):
+            raise InputError(f"`curriculum` must be a non-empty list of [until_step, [N, ...]], got {curriculum}")
+        if ends != sorted(set(ends)):
+            raise InputError(f"the `curriculum` stages' until_steps must increase, got {ends}")
+        if queries != "all" and not (isinstance(queries, int) and queries >= 1):
+            raise InputError(f'`queries` must be a positive number or "all", got {queries!r}')
+        self.length, self.curriculum, self.queries, self.step = length, curriculum, queries, 0
+        self.task = dict(vocab=vocab, key_noise=key_noise)
+
+    def __call__(self, gen: torch.Generator, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        needles = next((n for until, n in self.curriculum if self.step < until), self.curriculum[-1][1])
+        self.step += 1
+        n = needles[int(torch.randint(0, len(needles), (), generator=gen))]
+        r = n if self.queries == "all" else min(self.queries, n)
+        nb = needle_batch(gen, batch, self.length, n, r, **self.task)
+        return nb.tokens, nb.targets
 
 
-def eval_set(n: int, r: int, length: int, size: int, depth: float | None = None) -> NeedleBatch:
+def sampler(spec: FitSpec) -> Sampler:
+    """The Sampler of ``spec``: its task's curriculum, or its ``needles`` at every step."""
+    opts = spec.task
+    curriculum = opts.get("curriculum") or [[spec.steps, opts["needles"]]]
+    return Sampler(spec.seq_len, curriculum, opts["queries"], **vocabulary(spec))
+
+
+def vocabulary(spec: FitSpec) -> dict:
+    """The needle_batch options of ``spec``'s vocabulary: vocab and key_noise (default: shared, no noise)."""
+    return {"vocab": spec.task.get("vocab", "shared"), "key_noise": spec.task.get("key_noise", 0.0)}
+
+
+def eval_set(
+    n: int, r: int, length: int, size: int, depth: float | None = None, vocab: str = "shared", key_noise: float = 0.0
+) -> NeedleBatch:
+    """A fixed evaluation set: the same examples for every model (and every call) with these arguments."""
     seed = EVAL_SEED + 1000 * n + 100 * r + length + (0 if depth is None else int(depth * 100) + 7)
-    return needle_batch(torch.Generator().manual_seed(seed), size, length, n, r, depth)
+    gen = torch.Generator().manual_seed(seed)
+    return needle_batch(gen, size, length, n, r, depth, vocab=vocab, key_noise=key_noise)
 
 
 def answer_kinds(pred: torch.Tensor, nb: NeedleBatch) -> dict[str, torch.Tensor]:
@@ -70,32 +105,26 @@ def outcomes(model, nb: NeedleBatch) -> dict[str, float]:
     return {kind: mask.float().mean().item() for kind, mask in answer_kinds(logits.argmax(-1), nb).items()}
 
 
-def curve_score(model, seq_len: int, size: int) -> float:
+def curve_score(model, spec: FitSpec, size: int) -> float:
     """The learning curve's measure: first-query accuracy at GRID_NEEDLES on a fixed set."""
     n, r = GRID_NEEDLES
-    return round(outcomes(model, eval_set(n, r, seq_len, size))["correct"], 4)
+    return round(outcomes(model, eval_set(n, r, spec.seq_len, size, **vocabulary(spec)))["correct"], 4)
 
 
 def train_job(attention: str, seed: int, spec: FitSpec, out: Path) -> dict:
     """Train one model and evaluate it (in the worker, so that evaluations run in parallel too)."""
-    opts = spec.task
-    record, model = fit(
-        attention,
-        seed,
-        spec,
-        partial(sample, seq_len=spec.seq_len, needles=opts["needles"], queries=opts["queries"]),
-        partial(curve_score, seq_len=spec.seq_len, size=min(256, opts["eval_size"])),
-    )
+    score = partial(curve_score, spec=spec, size=min(256, spec.task["eval_size"]))
+    record, model = fit(attention, seed, spec, sampler(spec), score)
     return save_and_evaluate(record, model, out, TASK, spec, evaluate)
 
 
 def evaluate(model, spec: FitSpec) -> dict:
     """Outcome shares by (N, R) at the training length, and accuracy by length x depth at GRID_NEEDLES."""
-    size = spec.task["eval_size"]
-    by_nr = {f"{n},{r}": outcomes(model, eval_set(n, r, spec.seq_len, size)) for n, r in NR_GRID}
+    size, words = spec.task["eval_size"], vocabulary(spec)
+    by_nr = {f"{n},{r}": outcomes(model, eval_set(n, r, spec.seq_len, size, **words)) for n, r in NR_GRID}
     n, r = GRID_NEEDLES
     grid = [
-        [outcomes(model, eval_set(n, r, length, size // 2, depth))["correct"] for depth in DEPTHS]
+        [outcomes(model, eval_set(n, r, length, size // 2, depth, **words))["correct"] for depth in DEPTHS]
         for length in spec.task["lengths"]
     ]
     return {"by_nr": by_nr, "depth_length": grid}
@@ -126,9 +155,7 @@ def markdown(result: dict) -> str:
         "## Multi-needle retrieval",
         "",
         *report.logit_bits_note(spec),
-        f"Matched DIFF / standard models (d_model {spec['d_model']}, {spec['n_layers']} layers, DIFF "
-        f"{spec['n_heads'] // 2} heads vs standard {spec['n_heads']}), {spec['steps']} steps of batch "
-        f"{spec['batch_size']} at context {spec['seq_len']}, N drawn from {spec['task']['needles']}, seeds {seeds}. "
+        f"{report.models_text(spec)}; {training_data(spec['task'])}; seeds {seeds}. "
         "Needle = [MARK, key, value] in random filler; R queries [QRY, key] ask distinct needles; only the first "
         "query is scored. Mean +- standard deviation over seeds; the paper's 4K-context numbers beside.",
         "",
@@ -140,6 +167,20 @@ def markdown(result: dict) -> str:
         cells = [report.mean_std(_values(result, a, lambda e, k=key: e["by_nr"][k]["correct"])) for a in report.PAIR]
         paper = [f"{result['paper']['nr'][a][i]:.2f}" for a in report.PAIR]
         lines.append(f"| ({n}, {r}) | {cells[0]} | {cells[1]} | {paper[0]} | {paper[1]} | {1 / n:.2f} |")
+    size = spec["task"]["eval_size"]
+    lines += [
+        "",
+        "DIFF minus standard, paired by seed (a pair shares the initialisation of its shared layers and its data): "
+        f"the mean difference in accuracy and its 95% t interval over the seeds. One model's accuracy on {size} "
+        f"examples has a sampling error (one standard error) of at most {stats.binomial_se(0.5, size):.3f}.",
+        "",
+        "| (N, R) | DIFF - standard | 95% interval | per seed |",
+        "|---|---|---|---|",
+    ]
+    for n, r in result["nr_grid"]:
+        d = paired_difference(result, lambda e, k=f"{n},{r}": e["by_nr"][k]["correct"])
+        per_seed = " ".join(f"{x:+.2f}" for x in d["differences"])
+        lines.append(f"| ({n}, {r}) | {d['mean']:+.3f} | [{d['low']:+.3f}, {d['high']:+.3f}] | {per_seed} |")
     lines += [
         "",
         "What the first query's answer was (mean over seeds): correct / another needle's value / another token of "
@@ -167,6 +208,31 @@ def markdown(result: dict) -> str:
         lines.append("")
     lines += [report.curve_table(result["runs"], "accuracy (N=4, R=2)"), "", report.images(TASK), ""]
     return "\n".join(lines)
+
+
+def training_data(task: dict) -> str:
+    """The training batches of a needle task's options, in words."""
+    stages = task.get("curriculum") or [[None, task["needles"]]]
+    drawn = "; then ".join(
+        f"N from {n}" + ("" if i == len(stages) - 1 else f" until step {until}") for i, (until, n) in enumerate(stages)
+    )
+    queries = "R = N queries" if task["queries"] == "all" else f"R = min({task['queries']}, N) queries"
+    words = vocabulary(FitSpec(task=task))
+    kind = (
+        "keys, values and filler from one token set"
+        if words["vocab"] == "shared"
+        else (
+            "keys, values and filler from separate token sets"
+            + (f", {words['key_noise']:.0%} of the filler replaced by keys" if words["key_noise"] else "")
+        )
+    )
+    return f"{drawn}, {queries} (each answer trained), {kind}"
+
+
+def paired_difference(result: dict, get) -> dict:
+    """stats.paired of DIFF minus standard for the measure ``get(eval)``, matched by seed."""
+    by_seed = {a: {e["seed"]: get(e) for e in result["evals"] if e["attention"] == a} for a in report.PAIR}
+    return stats.paired(by_seed["diff"], by_seed["standard"])
 
 
 def _values(result: dict, attention: str, get) -> list[float]:

@@ -96,3 +96,18 @@ def logit_bits_note(spec: dict) -> list[str]:
         "and query row); training and the learning curves ran in float.",
         "",
     ]
+
+
+def models_text(spec: dict) -> str:
+    """The matched pair and its training budget, in words, from a saved spec (asdict(FitSpec))."""
+    lr = spec["lr"]
+    lrs = (
+        f"peak lr {lr:g}"
+        if not isinstance(lr, dict)
+        else "peak lr " + ", ".join(f"{NAMES[a]} {lr[a]:g}" for a in PAIR if a in lr)
+    )
+    return (
+        f"Matched DIFF / standard models (d_model {spec['d_model']}, {spec['n_layers']} layers, DIFF "
+        f"{spec['n_heads'] // 2} heads vs standard {spec['n_heads']}, initial std {spec.get('init_std', 0.02):g}), "
+        f"{spec['steps']} steps of batch {spec['batch_size']} at context {spec['seq_len']}, {lrs}"
+    )
