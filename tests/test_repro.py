@@ -116,6 +116,26 @@ def test_needle_sampler_follows_its_curriculum_and_trains_every_query():
     assert ((targets != IGNORE).sum(1) == 4).all()
 
 
+@pytest.mark.parametrize("scale", ["cpu", "gpu"])
+def test_each_needle_scale_draws_its_training_batches_and_evaluation_sets(scale):
+    """Every N a scale trains on fits its context with its queries, and every evaluation set it asks for exists."""
+    spec = needle.SCALES[scale]
+    sample, gen = needle.sampler(spec), torch.Generator().manual_seed(0)
+    counts = set()
+    for _ in range(12):
+        tokens, _targets = sample(gen, 2)
+        assert tokens.shape == (2, spec.seq_len)
+        counts.add(int((tokens[0] == MARK).sum()))
+    assert counts == set(spec.task["needles"])
+    words = needle.vocabulary(spec)
+    for n, r in needle.NR_GRID:
+        needle.eval_set(n, r, spec.seq_len, 2, **words)
+    for length in spec.task["lengths"]:
+        needle.eval_set(*needle.GRID_NEEDLES, length, 2, 0.5, **words)
+    for level in spec.task.get("eval_key_noise", []):
+        needle.eval_set(*needle.GRID_NEEDLES, spec.seq_len, 2, vocab=words["vocab"], key_noise=level)
+
+
 @pytest.mark.parametrize(
     "task, message",
     [
@@ -136,7 +156,8 @@ def test_each_architecture_trains_at_its_own_learning_rate_when_given_one():
     spec = FitSpec(d_model=16, n_layers=1, n_heads=2, seq_len=16, steps=3, lr={"diff": 4e-3, "standard": 1e-3})
     assert spec.for_attention("standard").lr == 1e-3 and spec.for_attention("diff").lr == 4e-3
     assert replace(spec, lr=2e-3).for_attention("diff").lr == 2e-3  # one number: both
-    record, _ = fit("standard", 0, spec, needle.sampler(replace(spec, task=dict(needles=[1], queries=1))), lambda m: 0.0)
+    sample = needle.sampler(replace(spec, task=dict(needles=[1], queries=1)))
+    record, _ = fit("standard", 0, spec, sample, lambda m: 0.0)
     assert record["lr"] == 1e-3
     with pytest.raises(InputError, match="not for 'diff': add one"):
         replace(spec, lr={"standard": 1e-3}).for_attention("diff")
@@ -289,6 +310,7 @@ def test_an_experiments_models_are_run_directories(tmp_path, tiny_scales):
     with torch.no_grad():
         assert torch.equal(model(x), trained(x))
     assert record["eval"]["by_nr"] and record["config"]["attention"] == "diff"
+    assert list(record["eval"]["by_key_noise"]) == ["0.0", "0.1", "0.25", "0.5"]  # the cpu scale's levels
     (tmp_path / "models" / "needle-standard-seed0.pt").write_bytes(b"old")
     with pytest.raises(ValueError, match="model file of difftransformer 0.1 .* run the experiment again"):
         find_models(tmp_path, "needle")
@@ -394,3 +416,18 @@ def test_logit_bits_change_the_final_evaluation_only(tmp_path, tiny_scales, monk
     assert seen and all(probe is None for probe in seen)
     assert json.loads((tmp_path / "two" / "results.json").read_text())["spec"]["logit_bits"] == 2
     assert "quantized to 2 bits" in (tmp_path / "two" / "section.md").read_text()
+
+
+def test_curve_table_names_when_each_model_first_reached_0_9():
+    from difftransformer.apps.repro import report
+
+    def run(attention, accs):
+        curve = [{"step": 10 * i, "seconds": 2.0 * i, "accuracy": a} for i, a in enumerate(accs)]
+        return {"attention": attention, "seed": 0, "seconds": curve[-1]["seconds"], "curve": curve}
+
+    table = report.curve_table([run("standard", [0.1, 0.5, 0.3]), run("diff", [0.0, 0.2, 0.95, 0.9])], "acc")
+    rows = table.splitlines()[4:]
+    assert rows == [
+        "| DIFF | 0 | 0.90 | 0.95 | 20 (4) | 6 | 0.200 |",
+        "| standard | 0 | 0.30 | 0.50 | never | 4 | 0.200 |",
+    ]

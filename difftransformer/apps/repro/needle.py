@@ -16,11 +16,13 @@ from difftransformer.fsutil import write_json
 
 TASK = "needle"
 SCALES = {
-    "cpu": FitSpec(
-        d_model=64, n_layers=4, n_heads=8, seq_len=64, steps=3000, batch_size=32, lr=3e-3, eval_every=250,
-        task=dict(needles=[2, 4, 6], queries=2, lengths=[32, 48, 64], eval_size=512),
+    "cpu": FitSpec(  # calibrated (experiments/LOG.md, needle calibration rounds 4 to 13)
+        d_model=64, n_layers=2, n_heads=4, seq_len=64, steps=6000, batch_size=32, lr={"diff": 1e-3, "standard": 5e-4},
+        init_std=0.07, eval_every=500,
+        task=dict(needles=[2, 4, 6], queries="all", vocab="disjoint", lengths=[32, 48, 64], eval_size=512,
+                  eval_key_noise=[0.0, 0.1, 0.25, 0.5]),
     ),
-    "gpu": FitSpec(
+    "gpu": FitSpec(  # not calibrated: no GPU session has run it
         d_model=256, n_layers=8, n_heads=16, seq_len=512, steps=20000, batch_size=64, lr=1e-3, eval_every=1000,
         task=dict(needles=[2, 4, 6, 8], queries=2, lengths=[128, 256, 512], eval_size=2048),
     ),
@@ -127,7 +129,11 @@ def evaluate(model, spec: FitSpec) -> dict:
         [outcomes(model, eval_set(n, r, length, size // 2, depth, **words))["correct"] for depth in DEPTHS]
         for length in spec.task["lengths"]
     ]
-    return {"by_nr": by_nr, "depth_length": grid}
+    noise = {  # distractor keys (without a MARK) in the filler, at levels the models were not trained on
+        str(level): outcomes(model, eval_set(n, r, spec.seq_len, size, vocab=words["vocab"], key_noise=level))
+        for level in spec.task.get("eval_key_noise", [])
+    }
+    return {"by_nr": by_nr, "depth_length": grid, "by_key_noise": noise}
 
 
 def run(
@@ -198,6 +204,33 @@ def markdown(result: dict) -> str:
             cells.append(" / ".join(f"{x:.2f}" for x in shares))
         lines.append(f"| ({n}, {r}) | {cells[0]} | {cells[1]} |")
     n, r = result["grid_needles"]
+    levels = spec["task"].get("eval_key_noise", [])
+    if levels:
+        lines += [
+            "",
+            f"Distractor keys: N={n}, R={r}, with this share of the filler tokens replaced by random keys (without a "
+            f"MARK); trained with key noise {spec['task'].get('key_noise', 0.0)}. Accuracy (mean +- standard "
+            "deviation over seeds), DIFF minus standard paired by seed [95% t interval], and the share of answers "
+            "that are not in the prompt at all (contextual hallucinations):",
+            "",
+            "| key noise | DIFF | standard | DIFF - standard | not in prompt, DIFF / standard |",
+            "|---|---|---|---|---|",
+        ]
+        for level in levels:
+            key = str(level)
+            acc = [
+                report.mean_std(_values(result, a, lambda e, k=key: e["by_key_noise"][k]["correct"]))
+                for a in report.PAIR
+            ]
+            d = paired_difference(result, lambda e, k=key: e["by_key_noise"][k]["correct"])
+            made_up = [
+                report.mean(_values(result, a, lambda e, k=key: e["by_key_noise"][k]["not_in_context"]))
+                for a in report.PAIR
+            ]
+            lines.append(
+                f"| {level:.0%} | {acc[0]} | {acc[1]} | {d['mean']:+.3f} [{d['low']:+.3f}, {d['high']:+.3f}] | "
+                f"{made_up[0]:.3f} / {made_up[1]:.3f} |"
+            )
     lines += ["", f"Accuracy by context length (rows) and answer depth (columns), N={n}, R={r}, mean over seeds:", ""]
     for a in report.PAIR:
         grid = report.mean_grid([e["depth_length"] for e in result["evals"] if e["attention"] == a])
