@@ -143,6 +143,7 @@ def test_each_needle_scale_draws_its_training_batches_and_evaluation_sets(scale)
         (dict(queries="all", curriculum=[[5, []]]), "non-empty list of"),
         (dict(queries="all", curriculum=[5, [2]]), "non-empty list of"),
         (dict(queries=0, needles=[2]), "positive number or"),
+        (dict(queries=1, needles=[2], eval_key_noise=[0.5]), 'needs `vocab` "disjoint"'),
     ],
 )
 def test_needle_sampler_refuses_a_bad_curriculum(task, message):

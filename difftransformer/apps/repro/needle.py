@@ -61,8 +61,11 @@ class Sampler:
 
 
 def sampler(spec: FitSpec) -> Sampler:
-    """The Sampler of ``spec``: its task's curriculum, or its ``needles`` at every step."""
+    """The Sampler of ``spec``: its task's curriculum, or its ``needles`` at every step. Checks the evaluation's
+    options too, so that a spec that cannot be evaluated fails before training rather than after it."""
     opts = spec.task
+    if opts.get("eval_key_noise") and vocabulary(spec)["vocab"] != "disjoint":
+        raise InputError('`eval_key_noise` (distractor keys in the filler) needs `vocab` "disjoint"')
     curriculum = opts.get("curriculum") or [[spec.steps, opts["needles"]]]
     return Sampler(spec.seq_len, curriculum, opts["queries"], **vocabulary(spec))
 
@@ -121,7 +124,8 @@ def train_job(attention: str, seed: int, spec: FitSpec, out: Path) -> dict:
 
 
 def evaluate(model, spec: FitSpec) -> dict:
-    """Outcome shares by (N, R) at the training length, and accuracy by length x depth at GRID_NEEDLES."""
+    """Outcome shares by (N, R) at the training length, accuracy by length x depth at GRID_NEEDLES, and outcome
+    shares at GRID_NEEDLES with each ``eval_key_noise`` share of the filler replaced by distractor keys."""
     size, words = spec.task["eval_size"], vocabulary(spec)
     by_nr = {f"{n},{r}": outcomes(model, eval_set(n, r, spec.seq_len, size, **words)) for n, r in NR_GRID}
     n, r = GRID_NEEDLES
