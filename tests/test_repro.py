@@ -146,7 +146,7 @@ def test_each_needle_scale_draws_its_training_batches_and_evaluation_sets(scale)
         (dict(queries=1, needles=[2], eval_key_noise=[0.5]), 'needs `vocab` "disjoint"'),
     ],
 )
-def test_needle_sampler_refuses_a_bad_curriculum(task, message):
+def test_needle_sampler_refuses_bad_task_options(task, message):
     with pytest.raises(InputError, match=message):
         needle.sampler(FitSpec(task=task))
 
@@ -158,8 +158,14 @@ def test_each_architecture_trains_at_its_own_learning_rate_when_given_one():
     assert spec.for_attention("standard").lr == 1e-3 and spec.for_attention("diff").lr == 4e-3
     assert replace(spec, lr=2e-3).for_attention("diff").lr == 2e-3  # one number: both
     sample = needle.sampler(replace(spec, task=dict(needles=[1], queries=1)))
-    record, _ = fit("standard", 0, spec, sample, lambda m: 0.0)
+    record, by_dict = fit("standard", 0, spec, sample, lambda m: 0.0)
     assert record["lr"] == 1e-3
+    sample = needle.sampler(replace(spec, task=dict(needles=[1], queries=1)))
+    _, by_number = fit("standard", 0, replace(spec, lr=1e-3), sample, lambda m: 0.0)  # the same training, bit for bit
+    for (name, a), b in zip(by_dict.state_dict().items(), by_number.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+    _, at_diffs_rate = fit("standard", 0, replace(spec, lr=4e-3), sample, lambda m: 0.0)
+    assert not torch.equal(by_dict.embed.weight, at_diffs_rate.embed.weight)
     with pytest.raises(InputError, match="not for 'diff': add one"):
         replace(spec, lr={"standard": 1e-3}).for_attention("diff")
 
