@@ -127,7 +127,7 @@ def test_each_needle_scale_draws_its_training_batches_and_evaluation_sets(scale)
         assert tokens.shape == (2, spec.seq_len)
         counts.add(int((tokens[0] == MARK).sum()))
     assert counts == set(spec.task["needles"])
-    words = needle.vocabulary(spec)
+    words = needle.vocabulary(spec.task)
     for n, r in needle.NR_GRID:
         needle.eval_set(n, r, spec.seq_len, 2, **words)
     for length in spec.task["lengths"]:

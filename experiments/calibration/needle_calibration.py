@@ -30,7 +30,7 @@ FINAL_N = (1, 2, 4, 6)
 
 
 def curve_score(model, spec, n):
-    nb = needle.eval_set(n, 1, spec.seq_len, EVAL, **needle.vocabulary(spec))
+    nb = needle.eval_set(n, 1, spec.seq_len, EVAL, **needle.vocabulary(spec.task))
     return round(needle.outcomes(model, nb)["correct"], 3)
 
 
@@ -44,7 +44,7 @@ def job(setting: dict) -> dict:
     spec.task.update(queries=s.get("queries", 1), curriculum=s.get("curriculum"))
     score = partial(curve_score, spec=spec, n=s.get("curve_n", (s.get("curriculum") or [[0, s["needles"]]])[0][1][0]))
     record, model = fit(s["attention"], s["seed"], spec, needle.sampler(spec), score)
-    words = needle.vocabulary(spec)
+    words = needle.vocabulary(spec.task)
     final = {n: needle.outcomes(model, needle.eval_set(n, 1, spec.seq_len, EVAL, **words)) for n in FINAL_N}
     curve = [(c["step"], c["seconds"], c["accuracy"]) for c in record["curve"]]
     return {**s, "seconds": record["seconds"], "curve": curve, "final": final}

@@ -45,7 +45,7 @@ def measure(model, spec: FitSpec, depths: list[float], size: int) -> list[dict]:
     n, r = needle.GRID_NEEDLES
     seq_len, per_depth = spec.seq_len, []
     for depth in depths:
-        nb = needle.eval_set(n, r, seq_len, size, depth, **needle.vocabulary(spec))
+        nb = needle.eval_set(n, r, seq_len, size, depth, **needle.vocabulary(spec.task))
         span = torch.stack((nb.needle_start, nb.needle_start + 3), dim=1)
         context_end = torch.full_like(nb.answer_pos, seq_len - 3 * r)
         layers = [allocation(m.mixed, nb.answer_pos, span, context_end) for m in attention_maps(model, nb.tokens)]
@@ -206,7 +206,7 @@ def _plot_rows(result: dict, found: dict, spec: FitSpec, out: Path) -> None:
     plt = report.pyplot()
     n, r = needle.GRID_NEEDLES
     seq_len = spec.seq_len
-    nb = needle.eval_set(n, r, seq_len, 1, 0.5, **needle.vocabulary(spec))
+    nb = needle.eval_set(n, r, seq_len, 1, 0.5, **needle.vocabulary(spec.task))
     tokens = nb.tokens[0]
     marks = (tokens[: seq_len - 3 * r] == MARK).nonzero().flatten().tolist()
     start = int(nb.needle_start[0])

@@ -64,15 +64,15 @@ def sampler(spec: FitSpec) -> Sampler:
     """The Sampler of ``spec``: its task's curriculum, or its ``needles`` at every step. Checks the evaluation's
     options too, so that a spec that cannot be evaluated fails before training rather than after it."""
     opts = spec.task
-    if opts.get("eval_key_noise") and vocabulary(spec)["vocab"] != "disjoint":
+    if opts.get("eval_key_noise") and vocabulary(opts)["vocab"] != "disjoint":
         raise InputError('`eval_key_noise` (distractor keys in the filler) needs `vocab` "disjoint"')
     curriculum = opts.get("curriculum") or [[spec.steps, opts["needles"]]]
-    return Sampler(spec.seq_len, curriculum, opts["queries"], **vocabulary(spec))
+    return Sampler(spec.seq_len, curriculum, opts["queries"], **vocabulary(opts))
 
 
-def vocabulary(spec: FitSpec) -> dict:
-    """The needle_batch options of ``spec``'s vocabulary: vocab and key_noise (default: shared, no noise)."""
-    return {"vocab": spec.task.get("vocab", "shared"), "key_noise": spec.task.get("key_noise", 0.0)}
+def vocabulary(task: dict) -> dict:
+    """The needle_batch options of a task's vocabulary: vocab and key_noise (default: shared, no noise)."""
+    return {"vocab": task.get("vocab", "shared"), "key_noise": task.get("key_noise", 0.0)}
 
 
 def eval_set(
@@ -113,7 +113,7 @@ def outcomes(model, nb: NeedleBatch) -> dict[str, float]:
 def curve_score(model, spec: FitSpec, size: int) -> float:
     """The learning curve's measure: first-query accuracy at GRID_NEEDLES on a fixed set."""
     n, r = GRID_NEEDLES
-    return round(outcomes(model, eval_set(n, r, spec.seq_len, size, **vocabulary(spec)))["correct"], 4)
+    return round(outcomes(model, eval_set(n, r, spec.seq_len, size, **vocabulary(spec.task)))["correct"], 4)
 
 
 def train_job(attention: str, seed: int, spec: FitSpec, out: Path) -> dict:
@@ -126,7 +126,7 @@ def train_job(attention: str, seed: int, spec: FitSpec, out: Path) -> dict:
 def evaluate(model, spec: FitSpec) -> dict:
     """Outcome shares by (N, R) at the training length, accuracy by length x depth at GRID_NEEDLES, and outcome
     shares at GRID_NEEDLES with each ``eval_key_noise`` share of the filler replaced by distractor keys."""
-    size, words = spec.task["eval_size"], vocabulary(spec)
+    size, words = spec.task["eval_size"], vocabulary(spec.task)
     by_nr = {f"{n},{r}": outcomes(model, eval_set(n, r, spec.seq_len, size, **words)) for n, r in NR_GRID}
     n, r = GRID_NEEDLES
     grid = [
@@ -254,7 +254,7 @@ def training_data(task: dict) -> str:
         f"N from {n}" + ("" if i == len(stages) - 1 else f" until step {until}") for i, (until, n) in enumerate(stages)
     )
     queries = "R = N queries" if task["queries"] == "all" else f"R = min({task['queries']}, N) queries"
-    words = vocabulary(FitSpec(task=task))
+    words = vocabulary(task)
     kind = (
         "keys, values and filler from one token set"
         if words["vocab"] == "shared"
