@@ -18,9 +18,11 @@ from difftransformer.apps.repro.tasks import (
     EXAMPLE_FEATURES,
     FEATURES_PER_CLASS,
     ICL_EXAMPLE,
+    ICL_LABELS,
     IGNORE,
     MARK,
     QRY,
+    VOCAB,
     demo_order,
     icl_batch,
     icl_episodes,
@@ -82,6 +84,7 @@ def test_disjoint_needle_vocabulary_keeps_answers_out_of_the_filler():
     [
         ((10, 3, 4), "need 1 <= R <= N"),
         ((10, 3, 1), "too short"),
+        ((64, 16, 2, None, "disjoint"), "at most about 60% of the haystack; use a length of at least 84"),
         ((64, 31, 1), "at most 30 needles"),
         ((64, 21, 1, None, "disjoint"), "at most 20 needles"),
         ((64, 2, 1, None, "mixed"), "unknown needle vocabulary 'mixed'"),
@@ -92,6 +95,16 @@ def test_disjoint_needle_vocabulary_keeps_answers_out_of_the_filler():
 def test_needle_batch_rejects_impossible_settings(args, message):
     with pytest.raises(ValueError, match=message):
         needle_batch(torch.Generator(), 2, *args)
+
+
+def test_needles_fill_the_most_the_haystack_allows():
+    """At the limit (a haystack of 5N - 2 tokens) every draw places all N needles (the placement used to loop
+    forever when the needles could not all fit where the first ones had gone), each answer once, none overlapping."""
+    nb = needle_batch(torch.Generator().manual_seed(0), 64, 64, 12, 2, vocab="disjoint")  # haystack 58 = 5 * 12 - 2
+    hay = nb.tokens[:, :58]
+    assert ((hay == MARK).sum(1) == 12).all()
+    starts = (hay == MARK).nonzero()[:, 1].view(64, 12)
+    assert (starts.diff(dim=1) >= 3).all()  # row-major nonzero: sorted starts, at least a needle apart
 
 
 def test_needle_sampler_follows_its_curriculum_and_trains_every_query():
@@ -214,6 +227,21 @@ def test_answer_kinds_on_hand_made_predictions():
     }
 
 
+def test_icl_answer_kinds_on_hand_made_predictions():
+    """Episodes of 2 classes and 4 demonstrations: a prediction is right, another label the demonstrations show,
+    another token of the prompt (a feature), or a token the prompt does not hold (a label no demonstration shows)."""
+    eps = icl_episodes(torch.Generator().manual_seed(0), 4, 2, 4, balanced=True)  # both labels shown twice
+    batch = icl_batch(eps)
+    wrong_label = eps.label_tokens.gather(1, 1 - eps.query_class[:, None])[:, 0]
+    unseen = torch.tensor([t for t in range(ICL_LABELS, VOCAB) if t not in eps.label_tokens.flatten()][:1])
+    guess = torch.stack((batch.answer[0], wrong_label[1], batch.tokens[2, 0], unseen[0]))
+    shares = icl.outcomes(_Predicts(guess), eps)
+    assert shares == {"correct": 0.25, "other_label": 0.25, "in_context": 0.25, "not_in_context": 0.25}
+    eps.demo_classes[3] = eps.query_class[3]  # row 3 now shows only the query's own label: the other one is unseen
+    guess[3] = wrong_label[3]
+    assert icl.outcomes(_Predicts(guess), eps)["not_in_context"] == 0.25
+
+
 def test_allocation_on_a_hand_made_map():
     # one sequence, two heads, 6 positions; the row read is position 5, the answer span [1, 3), the context [0, 4)
     maps = torch.zeros(1, 2, 6, 6)
@@ -265,7 +293,24 @@ def test_icl_episode_labels_follow_classes():
         assert torch.equal(batch.tokens[i, -nf:], eps.query_features[i])
     assert batch.tokens.shape == (16, width * 12 + nf) and (batch.query_pos == width * 12 + nf - 1).all()
     assert (batch.targets != IGNORE).sum() == 16 * 13  # every demonstration's label and the query's
-    assert len(set(eps.label_tokens[0].tolist())) == 4 and FEATURES_PER_CLASS == 4
+    assert len(set(eps.label_tokens[0].tolist())) == 4 and FEATURES_PER_CLASS == 1
+
+
+def test_icl_training_episodes_vary_in_length_and_bad_counts_are_refused():
+    gen = torch.Generator().manual_seed(0)
+    lengths = {icl.sample(gen, 2, [2, 4], [4, 6])[0].shape[1] for _ in range(60)}
+    assert lengths == {ICL_EXAMPLE * k + EXAMPLE_FEATURES for k in (4, 5, 6)}
+    task = dict(icl.SCALES["cpu"].task)
+    for shots, message in [
+        (30, r"`shots` must be \[fewest, most\]"),
+        ([6, 4], "1 <= fewest <= most"),
+        ([4, 40], r"40 demonstrations do not fit a context of 64 \(at most 31\)"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            icl.check_shots({**task, "shots": shots}, 64)
+    with pytest.raises(ValueError, match="32 demonstrations do not fit"):
+        icl.check_shots({**task, "order_shots": 32}, 64)
+    icl.check_shots(task, 64)  # the cpu scale's own counts fit
 
 
 def test_demo_orders():
@@ -317,7 +362,8 @@ def test_an_experiments_models_are_run_directories(tmp_path, tiny_scales):
     with torch.no_grad():
         assert torch.equal(model(x), trained(x))
     assert record["eval"]["by_nr"] and record["config"]["attention"] == "diff"
-    assert list(record["eval"]["by_key_noise"]) == ["0.0", "0.1", "0.25", "0.5"]  # the cpu scale's levels
+    assert list(record["eval"]["by_key_noise"]) == ["0.0", "0.1", "0.25", "0.5", "0.75", "0.9"]  # the cpu levels
+    assert list(record["eval"]["by_needles"]) == ["8", "10", "12"]
     (tmp_path / "models" / "needle-standard-seed0.pt").write_bytes(b"old")
     with pytest.raises(ValueError, match="model file of difftransformer 0.1 .* run the experiment again"):
         find_models(tmp_path, "needle")
@@ -404,6 +450,38 @@ def test_analyze_attention(tmp_path, capsys):
         argv = ["analyze", "attention", "--run", str(path), "--prompt-file", str(prompt), "--out", str(target)]
         assert main(argv) == 2
         assert message in capsys.readouterr().err
+
+
+def test_saved_models_are_evaluated_again_without_training(tmp_path, tiny_scales, monkeypatch):
+    """`repro needle --models DIR` scores DIR's models as a training run does (the same evaluations, curves kept),
+    trains nothing, and refuses models trained with other options, missing models and a missing report."""
+    optional("matplotlib")
+    from difftransformer.apps.repro import suite
+
+    suite.run("needle", tmp_path / "trained", seeds=1, workers=1)
+    trained = json.loads((tmp_path / "trained" / "results.json").read_text())
+    from difftransformer.apps.repro import fit as fit_module
+
+    for module, name in ((needle, "fit"), (fit_module, "train_pairs")):
+        monkeypatch.setattr(module, name, lambda *a, **k: pytest.fail("evaluating again must not train"))
+    suite.run("needle", tmp_path / "again", seeds=1, models=tmp_path / "trained")
+    again = json.loads((tmp_path / "again" / "results.json").read_text())
+    assert again["evals"] == trained["evals"] and again["runs"] == trained["runs"]
+    assert again["models"] == str(tmp_path / "trained")
+    assert "evaluated again (nothing trained here)" in (tmp_path / "again" / "section.md").read_text()
+    suite.run("needle", tmp_path / "bits", seeds=1, models=tmp_path / "trained", logit_bits=2)
+    assert json.loads((tmp_path / "bits" / "results.json").read_text())["spec"]["logit_bits"] == 2
+    cases = [
+        (dict(seeds=2), FileNotFoundError, r"lacks the needle models of seed\(s\) \[1\]"),
+        (dict(steps=5), ValueError, "trained with steps = 3, the cpu scale has 5"),
+        (dict(models=tmp_path / "again" / "models"), FileNotFoundError, "results.json is missing"),
+    ]
+    for i, (options, error, message) in enumerate(cases):
+        with pytest.raises(error, match=message):
+            suite.run("needle", tmp_path / f"bad{i}", **{"seeds": 1, "models": tmp_path / "trained", **options})
+    monkeypatch.setitem(needle.SCALES, "cpu", replace(needle.SCALES["cpu"], init_std=0.05))
+    with pytest.raises(ValueError, match="trained with init_std = 0.02, the cpu scale has 0.05"):
+        suite.run("needle", tmp_path / "init", seeds=1, models=tmp_path / "trained")
 
 
 @pytest.mark.slow

@@ -1,8 +1,11 @@
 """The reports' statistics on inputs whose answers are worked out by hand."""
 
-import pytest
+import math
 
-from difftransformer.apps.repro.stats import binomial_se, paired, t_interval
+import pytest
+import torch
+
+from difftransformer.apps.repro.stats import binomial_se, paired, paired_se, t_interval
 
 
 def test_t_interval_of_three_values():
@@ -38,3 +41,13 @@ def test_binomial_standard_error():
     assert binomial_se(1.0, 10) == 0.0
     with pytest.raises(ValueError, match="at least one example"):
         binomial_se(0.5, 0)
+
+
+def test_paired_se_of_two_accuracies_on_the_same_examples():
+    first = torch.tensor([True, True, False, False])
+    second = torch.tensor([True, False, False, True])
+    # per-example differences 0, 1, 0, -1: sample std sqrt(2 / 3), over sqrt(4)
+    assert paired_se(first, second) == pytest.approx(math.sqrt(2 / 3) / 2)
+    assert paired_se(first, first) == 0.0  # the same answers: no sampling error in the difference
+    with pytest.raises(ValueError, match="two equal-length vectors"):
+        paired_se(first, second[:3])

@@ -537,7 +537,8 @@ def _repro_command(sub) -> None:
     )
     repro.add_argument(
         "--models",
-        help="allocation: a needle report directory whose trained models to measure; quant: a `repro lm` directory",
+        help="allocation: a needle report directory whose trained models to measure; quant: a `repro lm` directory; "
+        "needle, icl: a report directory of the same experiment whose models to evaluate again (no training)",
     )
     repro.add_argument(
         "--part",

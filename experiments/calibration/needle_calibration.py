@@ -50,8 +50,10 @@ def job(setting: dict) -> dict:
     return {**s, "seconds": record["seconds"], "curve": curve, "final": final}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def run_grid(job, description: str) -> None:
+    """The command line of a calibration: GRID.json OUT.jsonl [--workers N]; one JSON line per setting, printed and
+    appended to OUT.jsonl as each finishes, ``job(setting)`` run in N worker processes."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("grid")
     parser.add_argument("out")
     parser.add_argument("--workers", type=int, default=2)
@@ -66,4 +68,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_grid(job, __doc__.splitlines()[0])

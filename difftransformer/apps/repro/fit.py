@@ -11,6 +11,7 @@ writes token ids) under ``<out>/models/<task>-<attention>-seed<seed>``.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
@@ -27,7 +28,7 @@ from difftransformer.core.config import ModelConfig
 from difftransformer.core.model import TransformerLM
 from difftransformer.errors import InputError
 from difftransformer.training.loop import lr_at, make_optimizer, optimizer_step
-from difftransformer.training.runs import MODEL_CONFIG, save_run
+from difftransformer.training.runs import MODEL_CONFIG, load_run, save_run
 from difftransformer.training.tokenizer import IdTokenizer
 
 ATTENTIONS = ("diff", "standard")
@@ -214,3 +215,71 @@ def train_pairs(out: Path, task: str, scale: str, spec: FitSpec, job, seeds: lis
         "runs": [{k: v for k, v in r.items() if k != "eval"} for r in runs],
         "evals": [{"attention": r["attention"], "seed": r["seed"], **r["eval"]} for r in runs],
     }
+
+
+def train_or_evaluate(
+    out: Path,
+    task: str,
+    scale: str,
+    spec: FitSpec,
+    job,
+    seeds: list[int],
+    workers: int,
+    models: Path | None,
+    evaluate: Callable,
+    eval_options: tuple,
+) -> dict:
+    """train_pairs into ``out``; or, given ``models`` (an earlier report directory of ``task``), evaluate_pairs."""
+    if models is None:
+        return train_pairs(out, task, scale, spec, job, seeds, workers)
+    return evaluate_pairs(models, task, scale, spec, seeds, evaluate, eval_options)
+
+
+def evaluate_pairs(
+    source: Path, task: str, scale: str, spec: FitSpec, seeds: list[int], evaluate: Callable, eval_options: tuple
+) -> dict:
+    """train_pairs' record for the models an earlier run of ``task`` saved in ``source`` (a report directory),
+    evaluated again by ``evaluate`` (as the current code and ``spec`` say) without training anything: the learning
+    curves and seconds are the earlier run's. ``spec`` must be the one they were trained with in every option but
+    the evaluation's (``eval_options``, the task options only the evaluation reads, and ``logit_bits``)."""
+    path = Path(source) / "results.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing: `models` must be a report directory of `difftx repro {task}`")
+    trained = json.loads(path.read_text())
+    if trained.get("experiment") != task:
+        raise InputError(f"{source} holds a {trained.get('experiment')!r} report, not a {task} one")
+    mine, theirs = _training_options(asdict(spec), eval_options), _training_options(trained["spec"], eval_options)
+    for key in sorted(set(mine) | set(theirs)):
+        if mine.get(key) != theirs.get(key):
+            raise InputError(
+                f"{source}'s models were trained with {key} = {theirs.get(key)}, the {scale} scale has "
+                f"{mine.get(key)}: pass the scale they were trained at, without `steps`"
+            )
+    found = find_models(Path(source), task)
+    missing = [s for s in seeds if any((a, s) not in found for a in ATTENTIONS)]
+    if missing:
+        raise FileNotFoundError(f"{source}/models lacks the {task} models of seed(s) {missing}: pass fewer seeds")
+    evals = []
+    for seed in seeds:
+        for attention in ATTENTIONS:
+            model = load_run(found[(attention, seed)])[0]
+            with final_evaluation(spec):
+                evals.append({"attention": attention, "seed": seed, **evaluate(model, spec)})
+    runs = [r for r in trained["runs"] if r["seed"] in seeds]
+    return {
+        "experiment": task,
+        "scale": scale,
+        "seeds": seeds,
+        "spec": asdict(spec),
+        "runs": sorted(runs, key=lambda r: (r["seed"], ATTENTIONS.index(r["attention"]))),
+        "evals": evals,
+        "models": str(source),
+    }
+
+
+def _training_options(spec: dict, eval_options: tuple) -> dict:
+    """A spec's options that shape training, in JSON form (tuples as lists), for comparing two specs."""
+    spec = json.loads(json.dumps(spec))
+    spec.pop("logit_bits", None)
+    spec["task"] = {k: v for k, v in spec["task"].items() if k not in eval_options}
+    return {k: v for k, v in spec.items() if k != "task"} | {f"task.{k}": v for k, v in spec["task"].items()}

@@ -14,13 +14,20 @@ from pathlib import Path
 
 import torch
 
-from difftransformer.apps.repro import report
-from difftransformer.apps.repro.fit import FitSpec, fit, save_and_evaluate, scaled_spec, train_pairs
+from difftransformer.apps.repro import report, stats
+from difftransformer.apps.repro.fit import (
+    FitSpec,
+    fit,
+    save_and_evaluate,
+    scaled_spec,
+    train_or_evaluate,
+)
 from difftransformer.apps.repro.tasks import (
     EXAMPLE_FEATURES,
     FEATURES_PER_CLASS,
     ICL_EXAMPLE,
     ICLEpisodes,
+    answer_kinds,
     demo_order,
     icl_batch,
     icl_episodes,
@@ -30,16 +37,19 @@ from difftransformer.fsutil import write_json
 
 TASK = "icl"
 SCALES = {
-    "cpu": FitSpec(
-        d_model=64, n_layers=4, n_heads=8, seq_len=64, steps=4000, batch_size=32, lr=3e-3, eval_every=250,
-        task=dict(classes=[2, 4, 8], shots=30, eval_shots=[1, 2, 4, 8, 16, 24], order_shots=24, eval_size=512),
+    "cpu": FitSpec(  # calibrated (experiments/LOG.md, in-context-learning calibration)
+        d_model=64, n_layers=2, n_heads=4, seq_len=64, steps=6000, batch_size=32, lr={"diff": 5e-4, "standard": 2e-3},
+        init_std=0.07, eval_every=500,
+        task=dict(classes=[2, 4, 8], shots=[4, 30], eval_shots=[1, 2, 4, 8, 16, 24], order_shots=24, eval_size=512),
     ),
-    "gpu": FitSpec(
+    "gpu": FitSpec(  # not calibrated: no GPU session has run it
         d_model=256, n_layers=8, n_heads=16, seq_len=256, steps=20000, batch_size=64, lr=1e-3, eval_every=1000,
-        task=dict(classes=[2, 4, 8], shots=120, eval_shots=[1, 4, 16, 64, 120], order_shots=96, eval_size=2048),
+        task=dict(classes=[2, 4, 8], shots=[4, 120], eval_shots=[1, 4, 16, 64, 120], order_shots=96, eval_size=2048),
     ),
 }  # fmt: skip
+EVAL_OPTIONS = ("eval_shots", "order_shots", "eval_size")  # task options only the evaluation reads
 ARRANGEMENTS = ("random", "grouped", "alternating")
+ANSWER_KINDS = ("correct", "other_label", "in_context", "not_in_context")
 ORDER_SEEDS = 5
 CURVE_CLASSES = 4
 PAPER = {  # TREC, best minus worst accuracy over example orders, points (docs/paper.md section 3)
@@ -49,10 +59,12 @@ PAPER = {  # TREC, best minus worst accuracy over example orders, points (docs/p
 EVAL_SEED = 2_000_003
 
 
-def sample(gen: torch.Generator, batch: int, classes: list[int], shots: int):
-    """A training batch: C drawn from ``classes`` per batch, ``shots`` demonstrations in the order drawn (random)."""
+def sample(gen: torch.Generator, batch: int, classes: list[int], shots: list[int]):
+    """A training batch: C drawn from ``classes`` and k uniformly from ``shots`` = [fewest, most] per batch, k
+    demonstrations in the order drawn (random). Short episodes are what starts the learning (experiments/LOG.md)."""
     c = classes[int(torch.randint(0, len(classes), (), generator=gen))]
-    b = icl_batch(icl_episodes(gen, batch, c, shots))
+    k = int(torch.randint(shots[0], shots[1] + 1, (), generator=gen))
+    b = icl_batch(icl_episodes(gen, batch, c, k))
     return b.tokens, b.targets
 
 
@@ -62,10 +74,22 @@ def episodes(n_classes: int, shots: int, size: int, balanced: bool = False) -> I
 
 
 @torch.no_grad()
-def accuracy(model, eps: ICLEpisodes, order: torch.Tensor | None = None) -> float:
+def answers(model, eps: ICLEpisodes, order: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """What each episode's predicted label is (tasks.answer_kinds; the wrong real answers are the other labels the
+    demonstrations show: ``other_label``), as boolean masks over the episodes."""
     batch = icl_batch(eps, order)
-    logits = model(batch.tokens)[torch.arange(len(batch.answer)), batch.query_pos]
-    return (logits.argmax(-1) == batch.answer).float().mean().item()
+    pred = model(batch.tokens)[torch.arange(len(batch.answer)), batch.query_pos].argmax(-1)
+    shown = batch.tokens[:, EXAMPLE_FEATURES::ICL_EXAMPLE]  # every demonstration's label
+    return answer_kinds(pred, batch.answer, shown, batch.tokens, batch.query_pos, "other_label")
+
+
+def outcomes(model, eps: ICLEpisodes, order: torch.Tensor | None = None) -> dict[str, float]:
+    """Shares of the episodes' predictions of each kind (answers)."""
+    return {kind: mask.float().mean().item() for kind, mask in answers(model, eps, order).items()}
+
+
+def accuracy(model, eps: ICLEpisodes, order: torch.Tensor | None = None) -> float:
+    return outcomes(model, eps, order)["correct"]
 
 
 def curve_score(model, shots: int, size: int) -> float:
@@ -74,8 +98,7 @@ def curve_score(model, shots: int, size: int) -> float:
 
 def train_job(attention: str, seed: int, spec: FitSpec, out: Path) -> dict:
     opts = spec.task
-    if ICL_EXAMPLE * opts["shots"] + EXAMPLE_FEATURES > spec.seq_len:
-        raise InputError(f"{opts['shots']} demonstrations do not fit a context of {spec.seq_len}")
+    check_shots(opts, spec.seq_len)
     record, model = fit(
         attention,
         seed,
@@ -86,15 +109,32 @@ def train_job(attention: str, seed: int, spec: FitSpec, out: Path) -> dict:
     return save_and_evaluate(record, model, out, TASK, spec, evaluate)
 
 
-def order_accuracies(model, eps: ICLEpisodes) -> dict[str, list[float]]:
-    """Accuracy for each arrangement and order seed on the same episodes."""
-    out = {}
+def check_shots(task: dict, seq_len: int) -> None:
+    """Refuse, before any training, demonstration counts that are not [fewest, most] or do not fit the context."""
+    shots = task["shots"]
+    if not (isinstance(shots, list) and len(shots) == 2 and all(isinstance(k, int) for k in shots)):
+        raise InputError(f"`shots` must be [fewest, most] demonstrations per training episode, got {shots!r}")
+    if not 1 <= shots[0] <= shots[1]:
+        raise InputError(f"`shots` must satisfy 1 <= fewest <= most, got {shots}")
+    for k in (shots[1], *task["eval_shots"], task["order_shots"]):
+        if ICL_EXAMPLE * k + EXAMPLE_FEATURES > seq_len:
+            most = (seq_len - EXAMPLE_FEATURES) // ICL_EXAMPLE
+            raise InputError(f"{k} demonstrations do not fit a context of {seq_len} (at most {most})")
+
+
+def order_accuracies(model, eps: ICLEpisodes) -> tuple[dict[str, list[float]], dict[str, float]]:
+    """Accuracy for each arrangement and order seed on the same episodes, and each arrangement's spread's standard
+    error in points: stats.paired_se of its best and its worst order (the same episodes in both)."""
+    accuracies, spread_se = {}, {}
     for arrangement in ARRANGEMENTS:
-        out[arrangement] = []
+        correct = []
         for s in range(ORDER_SEEDS):
             gen = torch.Generator().manual_seed(EVAL_SEED + 7 * s + ARRANGEMENTS.index(arrangement))
-            out[arrangement].append(accuracy(model, eps, demo_order(gen, eps.demo_classes, arrangement)))
-    return out
+            correct.append(answers(model, eps, demo_order(gen, eps.demo_classes, arrangement))["correct"])
+        acc = [c.float().mean().item() for c in correct]
+        best, worst = acc.index(max(acc)), acc.index(min(acc))
+        accuracies[arrangement], spread_se[arrangement] = acc, 100.0 * stats.paired_se(correct[best], correct[worst])
+    return accuracies, spread_se
 
 
 def spread(accuracies: list[float]) -> float:
@@ -103,20 +143,33 @@ def spread(accuracies: list[float]) -> float:
 
 
 def evaluate(model, spec: FitSpec) -> dict:
+    """Accuracy for each C and number of demonstrations, accuracy for each arrangement and order seed, and the
+    shares of each answer kind (outcomes) for each C at the most demonstrations evaluated."""
     opts = spec.task
     size = opts["eval_size"]
-    shots = {str(c): [accuracy(model, episodes(c, k, size)) for k in opts["eval_shots"]] for c in opts["classes"]}
-    orders = {
-        str(c): order_accuracies(model, episodes(c, opts["order_shots"], size, balanced=True)) for c in opts["classes"]
-    }
-    return {"shots": shots, "orders": orders}
+    by_shots = {str(c): [outcomes(model, episodes(c, k, size)) for k in opts["eval_shots"]] for c in opts["classes"]}
+    shots = {c: [kinds["correct"] for kinds in row] for c, row in by_shots.items()}
+    orders, spread_se = {}, {}
+    for c in opts["classes"]:
+        orders[str(c)], spread_se[str(c)] = order_accuracies(model, episodes(c, opts["order_shots"], size, True))
+    kinds = {c: row[-1] for c, row in by_shots.items()}
+    return {"shots": shots, "orders": orders, "order_spread_se": spread_se, "answers": kinds}
 
 
 def run(
-    out: Path, scale: str, seeds: list[int], workers: int, steps: int | None = None, logit_bits: int | None = None
+    out: Path,
+    scale: str,
+    seeds: list[int],
+    workers: int,
+    steps: int | None = None,
+    logit_bits: int | None = None,
+    models: Path | None = None,
 ) -> dict:
+    """Train and evaluate the pairs into ``out``; or, given ``models`` (an earlier icl report directory), evaluate
+    the models it saved again (no training)."""
     spec = scaled_spec(SCALES, scale, steps, logit_bits)
-    result = train_pairs(out, TASK, scale, spec, partial(train_job, spec=spec, out=out), seeds, workers)
+    job = partial(train_job, spec=spec, out=out)
+    result = train_or_evaluate(out, TASK, scale, spec, job, seeds, workers, models, evaluate, EVAL_OPTIONS)
     result.update(
         {
             "arrangements": ARRANGEMENTS,
@@ -138,11 +191,13 @@ def markdown(result: dict) -> str:
         "## In-context learning",
         "",
         *report.logit_bits_note(spec),
+        *report.source_note(result),
         "Synthetic many-shot classification: per episode, C classes each own "
         f"{FEATURES_PER_CLASS} random feature tokens and a random label token; an example is {EXAMPLE_FEATURES} of its "
-        f"class's features and its label. Trained with {opts['shots']} "
-        f"demonstrations in random order, C drawn from {opts['classes']}. {report.models_text(spec)}; seeds "
-        f"{result['seeds']}; {opts['eval_size']} query episodes per point. Mean +- standard deviation over seeds.",
+        f"class's features and its label. Trained with {opts['shots'][0]} to {opts['shots'][1]} "
+        f"demonstrations (drawn per batch) in random order, C drawn from {opts['classes']}. "
+        f"{report.models_text(spec)}; seeds {result['seeds']}; {opts['eval_size']} query episodes per point. Mean "
+        "+- standard deviation over seeds.",
         "",
         "Accuracy against the number of demonstrations:",
         "",
@@ -157,24 +212,66 @@ def markdown(result: dict) -> str:
                 for i in range(len(opts["eval_shots"]))
             ]
             lines.append(f"| {c} | {report.NAMES[a]} | " + " | ".join(cells) + " |")
+    size = opts["eval_size"]
+    lines += [
+        "",
+        "DIFF minus standard, paired by seed (a pair shares the initialisation of its shared layers and its data): "
+        "the mean difference in accuracy [95% t interval over the seeds]. One model's accuracy on "
+        f"{size} episodes has a sampling error (one standard error) of at most {stats.binomial_se(0.5, size):.3f}.",
+        "",
+        "| C | " + " | ".join(f"{k} shots" for k in opts["eval_shots"]) + " |",
+        "|---|" + "---|" * len(opts["eval_shots"]),
+    ]
+    for c in opts["classes"]:
+        cells = []
+        for i in range(len(opts["eval_shots"])):
+            d = report.paired_difference(result, lambda e, c=c, i=i: e["shots"][str(c)][i])
+            cells.append(f"{d['mean']:+.3f} [{d['low']:+.3f}, {d['high']:+.3f}]")
+        lines.append(f"| {c} | " + " | ".join(cells) + " |")
+    most = opts["eval_shots"][-1]
+    lines += [
+        "",
+        f"What the query's answer was at {most} demonstrations (mean over seeds): correct / another label the "
+        "demonstrations show / another token of the prompt / a token not in the prompt at all (a contextual "
+        "hallucination). When the query's class has no demonstration, no answer can be right.",
+        "",
+        "| C | DIFF | standard |",
+        "|---|---|---|",
+    ]
+    for c in opts["classes"]:
+        cells = []
+        for a in report.PAIR:
+            rows = [e["answers"][str(c)] for e in result["evals"] if e["attention"] == a]
+            cells.append(" / ".join(f"{report.mean([r[kind] for r in rows]):.3f}" for kind in ANSWER_KINDS))
+        lines.append(f"| {c} | {cells[0]} | {cells[1]} |")
     lines += [
         "",
         f"Order robustness, {opts['order_shots']} balanced demonstrations, the same episodes in "
         f"{result['order_seeds']} orders per arrangement: mean accuracy, and best minus worst accuracy over the "
         "orders in points (mean +- std over seeds). Paper (TREC): random order standard 19.0 vs DIFF "
-        "4.0; alternating by class 56.7 vs 13.4.",
+        "4.0; alternating by class 56.7 vs 13.4. Sampling error: the standard error of a seed's best minus worst "
+        "accuracy as a paired difference on the same episodes (mean over seeds, points), and on how many seeds the "
+        "spread is more than twice its standard error (larger than its sampling error).",
         "",
-        "| C | arrangement | DIFF accuracy | standard accuracy | DIFF best-worst | standard best-worst |",
-        "|---|---|---|---|---|---|",
+        "| C | arrangement | DIFF accuracy | standard accuracy | DIFF best-worst | standard best-worst | "
+        "SE, DIFF / standard | seeds > 2 SE, DIFF / standard |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for c in opts["classes"]:
         for arrangement in result["arrangements"]:
-            acc, spr = [], []
+            acc, spr, se, beyond = [], [], [], []
             for a in report.PAIR:
-                per_seed = [e["orders"][str(c)][arrangement] for e in result["evals"] if e["attention"] == a]
-                acc.append(report.mean_std([report.mean(x) for x in per_seed], 3))
-                spr.append(report.mean_std([spread(x) for x in per_seed], 1))
-            lines.append(f"| {c} | {arrangement} | {acc[0]} | {acc[1]} | {spr[0]} | {spr[1]} |")
+                evals = [e for e in result["evals"] if e["attention"] == a]
+                spreads = [spread(e["orders"][str(c)][arrangement]) for e in evals]
+                errors = [e["order_spread_se"][str(c)][arrangement] for e in evals]
+                acc.append(report.mean_std([report.mean(e["orders"][str(c)][arrangement]) for e in evals], 3))
+                spr.append(report.mean_std(spreads, 1))
+                se.append(f"{report.mean(errors):.1f}")
+                beyond.append(f"{sum(x > 2 * e for x, e in zip(spreads, errors, strict=True))}/{len(evals)}")
+            lines.append(
+                f"| {c} | {arrangement} | {acc[0]} | {acc[1]} | {spr[0]} | {spr[1]} | {' / '.join(se)} | "
+                f"{' / '.join(beyond)} |"
+            )
     lines += ["", report.curve_table(result["runs"], f"accuracy, C={CURVE_CLASSES}"), "", report.images(TASK), ""]
     return "\n".join(lines)
 

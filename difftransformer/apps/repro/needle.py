@@ -8,8 +8,14 @@ from pathlib import Path
 
 import torch
 
-from difftransformer.apps.repro import report, stats
-from difftransformer.apps.repro.fit import FitSpec, fit, save_and_evaluate, scaled_spec, train_pairs
+from difftransformer.apps.repro import report, stats, tasks
+from difftransformer.apps.repro.fit import (
+    FitSpec,
+    fit,
+    save_and_evaluate,
+    scaled_spec,
+    train_or_evaluate,
+)
 from difftransformer.apps.repro.tasks import NeedleBatch, needle_batch
 from difftransformer.errors import InputError
 from difftransformer.fsutil import write_json
@@ -20,7 +26,7 @@ SCALES = {
         d_model=64, n_layers=2, n_heads=4, seq_len=64, steps=6000, batch_size=32, lr={"diff": 1e-3, "standard": 5e-4},
         init_std=0.07, eval_every=500,
         task=dict(needles=[2, 4, 6], queries="all", vocab="disjoint", lengths=[32, 48, 64], eval_size=512,
-                  eval_key_noise=[0.0, 0.1, 0.25, 0.5]),
+                  eval_key_noise=[0.0, 0.1, 0.25, 0.5, 0.75, 0.9], eval_needles=[8, 10, 12]),
     ),
     "gpu": FitSpec(  # not calibrated: no GPU session has run it
         d_model=256, n_layers=8, n_heads=16, seq_len=512, steps=20000, batch_size=64, lr=1e-3, eval_every=1000,
@@ -33,6 +39,7 @@ DEPTHS = [0.0, 0.25, 0.5, 0.75, 1.0]
 GRID_NEEDLES = (4, 2)  # (N, R) of the depth x length grid, the curves and the allocation measurement
 EVAL_SEED = 1_000_003  # every model is scored on the same examples
 ANSWER_KINDS = ("correct", "other_needle", "in_context", "not_in_context")
+EVAL_OPTIONS = ("lengths", "eval_size", "eval_key_noise", "eval_needles")  # task options only the evaluation reads
 
 
 class Sampler:
@@ -66,6 +73,8 @@ def sampler(spec: FitSpec) -> Sampler:
     opts = spec.task
     if opts.get("eval_key_noise") and vocabulary(opts)["vocab"] != "disjoint":
         raise InputError('`eval_key_noise` (distractor keys in the filler) needs `vocab` "disjoint"')
+    for m in opts.get("eval_needles", []):  # a trial example of each: its own errors name the problem
+        needle_batch(torch.Generator(), 1, spec.seq_len, m, GRID_NEEDLES[1], vocab=vocabulary(opts)["vocab"])
     curriculum = opts.get("curriculum") or [[spec.steps, opts["needles"]]]
     return Sampler(spec.seq_len, curriculum, opts["queries"], **vocabulary(opts))
 
@@ -85,22 +94,9 @@ def eval_set(
 
 
 def answer_kinds(pred: torch.Tensor, nb: NeedleBatch) -> dict[str, torch.Tensor]:
-    """What each first-query prediction is, as boolean masks over the batch that partition it:
-    ``correct``; ``other_needle`` (another needle's value: a real value from the context, the wrong one);
-    ``in_context`` (another token of the prompt, such as a key or filler); ``not_in_context`` (a token the prompt
-    does not hold at all: a contextual hallucination). The prompt is every token up to the answer's position."""
-    correct = pred == nb.answer
-    other_needle = (pred[:, None] == nb.other_values).any(-1) & ~correct
-    positions = torch.arange(nb.tokens.shape[1])
-    prompt = positions[None, :] <= nb.answer_pos[:, None]
-    seen = ((nb.tokens == pred[:, None]) & prompt).any(-1)
-    in_context = seen & ~correct & ~other_needle
-    return {
-        "correct": correct,
-        "other_needle": other_needle,
-        "in_context": in_context,
-        "not_in_context": ~seen & ~correct & ~other_needle,
-    }
+    """tasks.answer_kinds of each first-query prediction, the wrong real answers being the other needles' values
+    (``other_needle``); the prompt is every token up to the answer's position."""
+    return tasks.answer_kinds(pred, nb.answer, nb.other_values, nb.tokens, nb.answer_pos, "other_needle")
 
 
 @torch.no_grad()
@@ -124,8 +120,9 @@ def train_job(attention: str, seed: int, spec: FitSpec, out: Path) -> dict:
 
 
 def evaluate(model, spec: FitSpec) -> dict:
-    """Outcome shares by (N, R) at the training length, accuracy by length x depth at GRID_NEEDLES, and outcome
-    shares at GRID_NEEDLES with each ``eval_key_noise`` share of the filler replaced by distractor keys."""
+    """Outcome shares by (N, R) at the training length, accuracy by length x depth at GRID_NEEDLES, outcome
+    shares at GRID_NEEDLES with each ``eval_key_noise`` share of the filler replaced by distractor keys, and outcome
+    shares with each of ``eval_needles`` needles (R = 2; more than trained), at the training length."""
     size, words = spec.task["eval_size"], vocabulary(spec.task)
     by_nr = {f"{n},{r}": outcomes(model, eval_set(n, r, spec.seq_len, size, **words)) for n, r in NR_GRID}
     n, r = GRID_NEEDLES
@@ -137,14 +134,26 @@ def evaluate(model, spec: FitSpec) -> dict:
         str(level): outcomes(model, eval_set(n, r, spec.seq_len, size, vocab=words["vocab"], key_noise=level))
         for level in spec.task.get("eval_key_noise", [])
     }
-    return {"by_nr": by_nr, "depth_length": grid, "by_key_noise": noise}
+    more = {
+        str(m): outcomes(model, eval_set(m, r, spec.seq_len, size, **words)) for m in spec.task.get("eval_needles", [])
+    }
+    return {"by_nr": by_nr, "depth_length": grid, "by_key_noise": noise, "by_needles": more}
 
 
 def run(
-    out: Path, scale: str, seeds: list[int], workers: int, steps: int | None = None, logit_bits: int | None = None
+    out: Path,
+    scale: str,
+    seeds: list[int],
+    workers: int,
+    steps: int | None = None,
+    logit_bits: int | None = None,
+    models: Path | None = None,
 ) -> dict:
+    """Train and evaluate the pairs into ``out``; or, given ``models`` (an earlier needle report directory),
+    evaluate the models it saved again (no training)."""
     spec = scaled_spec(SCALES, scale, steps, logit_bits)
-    result = train_pairs(out, TASK, scale, spec, partial(train_job, spec=spec, out=out), seeds, workers)
+    job = partial(train_job, spec=spec, out=out)
+    result = train_or_evaluate(out, TASK, scale, spec, job, seeds, workers, models, evaluate, EVAL_OPTIONS)
     result.update(
         {
             "nr_grid": NR_GRID,
@@ -165,6 +174,7 @@ def markdown(result: dict) -> str:
         "## Multi-needle retrieval",
         "",
         *report.logit_bits_note(spec),
+        *report.source_note(result),
         f"{report.models_text(spec)}; {training_data(spec['task'])}; seeds {seeds}. "
         "Needle = [MARK, key, value] in random filler; R queries [QRY, key] ask distinct needles; only the first "
         "query is scored. Mean +- standard deviation over seeds; the paper's 4K-context numbers beside.",
@@ -188,7 +198,7 @@ def markdown(result: dict) -> str:
         "|---|---|---|---|",
     ]
     for n, r in result["nr_grid"]:
-        d = paired_difference(result, lambda e, k=f"{n},{r}": e["by_nr"][k]["correct"])
+        d = report.paired_difference(result, lambda e, k=f"{n},{r}": e["by_nr"][k]["correct"])
         per_seed = " ".join(f"{x:+.2f}" for x in d["differences"])
         lines.append(f"| ({n}, {r}) | {d['mean']:+.3f} | [{d['low']:+.3f}, {d['high']:+.3f}] | {per_seed} |")
     lines += [
@@ -213,28 +223,19 @@ def markdown(result: dict) -> str:
         lines += [
             "",
             f"Distractor keys: N={n}, R={r}, with this share of the filler tokens replaced by random keys (without a "
-            f"MARK); trained with key noise {spec['task'].get('key_noise', 0.0)}. Accuracy (mean +- standard "
-            "deviation over seeds), DIFF minus standard paired by seed [95% t interval], and the share of answers "
-            "that are not in the prompt at all (contextual hallucinations):",
+            f"MARK); trained with key noise {spec['task'].get('key_noise', 0.0)}. " + STRESS_COLUMNS,
             "",
-            "| key noise | DIFF | standard | DIFF - standard | not in prompt, DIFF / standard |",
-            "|---|---|---|---|---|",
+            *_stress_table(result, "by_key_noise", "key noise", {str(x): f"{x:.0%}" for x in levels}),
         ]
-        for level in levels:
-            key = str(level)
-            acc = [
-                report.mean_std(_values(result, a, lambda e, k=key: e["by_key_noise"][k]["correct"]))
-                for a in report.PAIR
-            ]
-            d = paired_difference(result, lambda e, k=key: e["by_key_noise"][k]["correct"])
-            made_up = [
-                report.mean(_values(result, a, lambda e, k=key: e["by_key_noise"][k]["not_in_context"]))
-                for a in report.PAIR
-            ]
-            lines.append(
-                f"| {level:.0%} | {acc[0]} | {acc[1]} | {d['mean']:+.3f} [{d['low']:+.3f}, {d['high']:+.3f}] | "
-                f"{made_up[0]:.3f} / {made_up[1]:.3f} |"
-            )
+    more = spec["task"].get("eval_needles", [])
+    if more:
+        lines += [
+            "",
+            f"More needles than trained (N up to {max(spec['task'].get('needles', [0]))} in training): R={r}, the "
+            f"training length {spec['seq_len']}, the random-needle baseline 1/N in brackets. " + STRESS_COLUMNS,
+            "",
+            *_stress_table(result, "by_needles", "N", {str(m): f"{m} ({1 / m:.2f})" for m in more}),
+        ]
     lines += ["", f"Accuracy by context length (rows) and answer depth (columns), N={n}, R={r}, mean over seeds:", ""]
     for a in report.PAIR:
         grid = report.mean_grid([e["depth_length"] for e in result["evals"] if e["attention"] == a])
@@ -245,6 +246,40 @@ def markdown(result: dict) -> str:
         lines.append("")
     lines += [report.curve_table(result["runs"], "accuracy (N=4, R=2)"), "", report.images(TASK), ""]
     return "\n".join(lines)
+
+
+STRESS_COLUMNS = (
+    "Accuracy (mean +- standard deviation over seeds), DIFF minus standard paired by seed [95% t interval] and per "
+    "seed, the share of answers that are another needle's value, and the share not in the prompt at all "
+    "(contextual hallucinations):"
+)
+
+
+def _stress_table(result: dict, field: str, name: str, rows: dict[str, str]) -> list[str]:
+    """A table of first-query outcomes at each evaluation level of ``field`` (rows: {level key: its label})."""
+    lines = [
+        f"| {name} | DIFF | standard | DIFF - standard | per seed | other needle, DIFF / standard | not in prompt, "
+        "DIFF / standard |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for key, label in rows.items():
+        acc = [report.mean_std(_values(result, a, _outcome(field, key, "correct"))) for a in report.PAIR]
+        d = report.paired_difference(result, _outcome(field, key, "correct"))
+        other, made_up = (
+            [report.mean(_values(result, a, _outcome(field, key, kind))) for a in report.PAIR]
+            for kind in ("other_needle", "not_in_context")
+        )
+        lines.append(
+            f"| {label} | {acc[0]} | {acc[1]} | {d['mean']:+.3f} [{d['low']:+.3f}, {d['high']:+.3f}] | "
+            f"{' '.join(f'{x:+.2f}' for x in d['differences'])} | {other[0]:.3f} / {other[1]:.3f} | "
+            f"{made_up[0]:.3f} / {made_up[1]:.3f} |"
+        )
+    return lines
+
+
+def _outcome(field: str, key: str, kind: str):
+    """The getter of one outcome share of an evaluation: eval[field][key][kind]."""
+    return lambda e: e[field][key][kind]
 
 
 def training_data(task: dict) -> str:
@@ -264,12 +299,6 @@ def training_data(task: dict) -> str:
         )
     )
     return f"{drawn}, {queries} (each answer trained), {kind}"
-
-
-def paired_difference(result: dict, get) -> dict:
-    """stats.paired of DIFF minus standard for the measure ``get(eval)``, matched by seed."""
-    by_seed = {a: {e["seed"]: get(e) for e in result["evals"] if e["attention"] == a} for a in report.PAIR}
-    return stats.paired(by_seed["diff"], by_seed["standard"])
 
 
 def _values(result: dict, attention: str, get) -> list[float]:

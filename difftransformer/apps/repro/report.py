@@ -5,6 +5,7 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
+from difftransformer.apps.repro import stats
 from difftransformer.errors import InputError
 
 PAIR = ("diff", "standard")
@@ -102,6 +103,17 @@ def logit_bits_note(spec: dict) -> list[str]:
     ]
 
 
+def source_note(result: dict) -> list[str]:
+    """The report lines that say the models were trained by an earlier run and only evaluated here (none when not)."""
+    if not result.get("models"):
+        return []
+    return [
+        f"The models of `{result['models']}`, evaluated again (nothing trained here): the learning curves and "
+        "seconds are that run's.",
+        "",
+    ]
+
+
 def models_text(spec: dict) -> str:
     """The matched pair and its training budget, in words, from a saved spec (asdict(FitSpec))."""
     lr = spec["lr"]
@@ -115,3 +127,9 @@ def models_text(spec: dict) -> str:
         f"{spec['n_heads'] // 2} heads vs standard {spec['n_heads']}, initial std {spec.get('init_std', 0.02):g}), "
         f"{spec['steps']} steps of batch {spec['batch_size']} at context {spec['seq_len']}, {lrs}"
     )
+
+
+def paired_difference(result: dict, get) -> dict:
+    """stats.paired of DIFF minus standard for the measure ``get(eval)`` of a result's evals, matched by seed."""
+    by_seed = {a: {e["seed"]: get(e) for e in result["evals"] if e["attention"] == a} for a in PAIR}
+    return stats.paired(by_seed["diff"], by_seed["standard"])

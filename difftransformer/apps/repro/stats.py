@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 import statistics
 
+import torch
+
 # two-sided 95% Student t quantiles for 1..30 degrees of freedom; more than 30 uses the last (slightly wider than
 # the true quantile, which falls to 1.96)
 T95 = (
@@ -40,3 +42,12 @@ def binomial_se(accuracy: float, n: int) -> float:
     if n < 1:
         raise ValueError(f"an accuracy needs at least one example, got n={n}")
     return math.sqrt(max(accuracy * (1 - accuracy), 0.0) / n)
+
+
+def paired_se(first: torch.Tensor, second: torch.Tensor) -> float:
+    """The standard error of the difference of two accuracies measured on the same examples: the standard
+    deviation of the per-example differences (first - second, each 1 or 0 for right or wrong) over sqrt(n)."""
+    if first.shape != second.shape or first.dim() != 1 or len(first) < 2:
+        raise ValueError(f"need two equal-length vectors of at least 2 examples, got {first.shape} and {second.shape}")
+    d = first.double() - second.double()
+    return (d.std() / math.sqrt(len(d))).item()

@@ -31,7 +31,9 @@ def run(
 
     allocation measures the needle task's models: those in ``models`` (a needle report directory) when given, the
     ones ``all`` has just trained, or else it trains them itself; quant measures the language-model study in
-    ``models`` (or the one ``all`` has just run).
+    ``models`` (or the one ``all`` has just run); needle and icl, run alone with ``models`` (a report directory of
+    the same experiment), evaluate its saved models again instead of training (for a grown evaluation, or another
+    ``logit_bits``).
     """
     if what not in (*EXPERIMENTS, "all"):
         raise InputError(f"unknown experiment {what!r}; choose one of {', '.join(EXPERIMENTS)} or all")
@@ -64,7 +66,8 @@ def run(
         elif name == "lm":
             module.run(target, scale, parts or module.PARTS, seed_list, workers, steps, corpora)
         else:
-            module.run(target, scale, seed_list, workers or 2, steps, logit_bits=logit_bits)
+            source = Path(models) if models and what == name else None
+            module.run(target, scale, seed_list, workers or 2, steps, logit_bits=logit_bits, models=source)
         print(f"difftx repro {name}: done in {time.perf_counter() - start:.0f} s -> {target / 'section.md'}")
         sections.append((target / "section.md").read_text())
     report = out / "report.md"

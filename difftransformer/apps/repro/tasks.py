@@ -36,7 +36,7 @@ NEEDLE_VOCABS = ("shared", "disjoint")
 ICL_FEATURES = 48
 ICL_LABELS = 48
 MAX_CLASSES = 8
-FEATURES_PER_CLASS = 4
+FEATURES_PER_CLASS = 1  # 4 left a query's feature unseen in the demonstrations too often (experiments/LOG.md)
 EXAMPLE_FEATURES = 1  # feature tokens per example (2 gave no signal within the CPU budget: experiments/LOG.md)
 ICL_EXAMPLE = EXAMPLE_FEATURES + 1  # the features and the label
 
@@ -78,8 +78,11 @@ def needle_batch(
     if not 0.0 <= key_noise <= 1.0 or (key_noise and vocab == "shared"):
         raise InputError(f"key_noise must be in [0, 1] and needs the disjoint vocabulary, got {key_noise} ({vocab})")
     hay = length - 3 * n_queries
-    if hay < 3 * n_needles:
-        raise InputError(f"length {length} is too short for {n_needles} needles and {n_queries} queries")
+    if hay < 5 * n_needles - 2:  # so that a free start is left for every needle, wherever the others went
+        raise InputError(
+            f"length {length} is too short for {n_needles} needles and {n_queries} queries: the needles may fill "
+            f"at most about 60% of the haystack; use a length of at least {5 * n_needles - 2 + 3 * n_queries}"
+        )
     if depth is not None and not 0.0 <= depth <= 1.0:
         raise InputError(f"depth must be in [0, 1], got {depth}")
     if vocab == "shared":
@@ -121,11 +124,31 @@ def _needle_slots(gen: torch.Generator, hay: int, n: int, depth: float | None) -
     last = hay - 3
     first = round(depth * last) if depth is not None else int(torch.randint(0, last + 1, (), generator=gen))
     taken = [first]
-    while len(taken) < n:  # rejection sampling: at most 30 needles in a haystack of >= 3n tokens
+    while len(taken) < n:  # rejection sampling; a needle blocks 5 starts, and hay >= 5n - 2 leaves one free
         start = int(torch.randint(0, last + 1, (), generator=gen))
         if all(abs(start - s) >= 3 for s in taken):
             taken.append(start)
     return taken
+
+
+def answer_kinds(
+    pred: torch.Tensor, answer: torch.Tensor, others: torch.Tensor, tokens: torch.Tensor, last: torch.Tensor, other: str
+) -> dict[str, torch.Tensor]:
+    """What each prediction (B,) is, as boolean masks over the batch that partition it: ``correct``; ``other`` (one
+    of the row's ``others`` (B, m), real answers from the context but the wrong ones, such as another needle's value
+    or another class's label); ``in_context`` (another token of the prompt, such as a key or filler);
+    ``not_in_context`` (a token the prompt does not hold at all: a contextual hallucination). The prompt of row b is
+    ``tokens[b, : last[b] + 1]``."""
+    correct = pred == answer
+    wrong_answer = (pred[:, None] == others).any(-1) & ~correct
+    prompt = torch.arange(tokens.shape[1])[None, :] <= last[:, None]
+    seen = ((tokens == pred[:, None]) & prompt).any(-1)
+    return {
+        "correct": correct,
+        other: wrong_answer,
+        "in_context": seen & ~correct & ~wrong_answer,
+        "not_in_context": ~seen & ~correct & ~wrong_answer,
+    }
 
 
 @dataclass
