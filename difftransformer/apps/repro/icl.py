@@ -40,7 +40,7 @@ SCALES = {
     "cpu": FitSpec(  # calibrated (experiments/LOG.md, in-context-learning calibration)
         d_model=64, n_layers=2, n_heads=4, seq_len=64, steps=6000, batch_size=32, lr={"diff": 5e-4, "standard": 2e-3},
         init_std=0.07, eval_every=500,
-        task=dict(classes=[2, 4, 8], shots=[4, 30], eval_shots=[1, 2, 4, 8, 16, 24], order_shots=24, eval_size=512),
+        task=dict(classes=[2, 4, 8], shots=[30, 30], eval_shots=[1, 2, 4, 8, 16, 24], order_shots=24, eval_size=512),
     ),
     "gpu": FitSpec(  # not calibrated: no GPU session has run it
         d_model=256, n_layers=8, n_heads=16, seq_len=256, steps=20000, batch_size=64, lr=1e-3, eval_every=1000,
@@ -61,7 +61,7 @@ EVAL_SEED = 2_000_003
 
 def sample(gen: torch.Generator, batch: int, classes: list[int], shots: list[int]):
     """A training batch: C drawn from ``classes`` and k uniformly from ``shots`` = [fewest, most] per batch, k
-    demonstrations in the order drawn (random). Short episodes are what starts the learning (experiments/LOG.md)."""
+    demonstrations in the order drawn (random)."""
     c = classes[int(torch.randint(0, len(classes), (), generator=gen))]
     k = int(torch.randint(shots[0], shots[1] + 1, (), generator=gen))
     b = icl_batch(icl_episodes(gen, batch, c, k))
