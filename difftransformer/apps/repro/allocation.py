@@ -23,7 +23,7 @@ import torch
 
 from difftransformer.apps.analysis import allocation, attention_maps
 from difftransformer.apps.repro import needle, report
-from difftransformer.apps.repro.fit import FitSpec, find_models, run_pairs, scaled_spec
+from difftransformer.apps.repro.fit import FitSpec, find_models, run_pairs, saved_models, scaled_spec
 from difftransformer.apps.repro.tasks import MARK
 from difftransformer.errors import InputError
 from difftransformer.fsutil import write_json
@@ -74,13 +74,8 @@ def run(
     out: Path, scale: str, seeds: list[int], workers: int, steps: int | None = None, models: Path | None = None
 ) -> dict:
     spec = scaled_spec(needle.SCALES, scale, steps)
-    found = find_models(models, needle.TASK) if models else {}
-    missing = [s for s in seeds if any((a, s) not in found for a in report.PAIR)]
-    if models and missing:
-        raise FileNotFoundError(
-            f"{models}/models lacks the needle models of seed(s) {missing}; run `difftx repro needle` with as many "
-            "seeds, or drop `models` to train them here"
-        )
+    hint = "run `difftx repro needle` with as many seeds, or drop `models` to train them here"
+    found = saved_models(models, needle.TASK, seeds, hint) if models else {}
     if not found:
         run_pairs(partial(needle.train_job, spec=spec, out=out), seeds, workers)
         found = find_models(out, needle.TASK)

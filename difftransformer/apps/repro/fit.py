@@ -193,6 +193,15 @@ def find_models(folder: Path, task: str) -> dict[tuple[str, int], Path]:
     return found
 
 
+def saved_models(folder: Path, task: str, seeds: list[int], hint: str) -> dict[tuple[str, int], Path]:
+    """find_models of ``folder``, refusing (with ``hint``, the way out) when a seed lacks either model."""
+    found = find_models(Path(folder), task)
+    missing = [s for s in seeds if any((a, s) not in found for a in ATTENTIONS)]
+    if missing:
+        raise FileNotFoundError(f"{folder}/models lacks the {task} models of seed(s) {missing}; {hint}")
+    return found
+
+
 def save_and_evaluate(
     record: dict, model: TransformerLM, out: Path, task: str, spec: FitSpec, evaluate: Callable
 ) -> dict:
@@ -255,10 +264,7 @@ def evaluate_pairs(
                 f"{source}'s models were trained with {key} = {theirs.get(key)}, the {scale} scale has "
                 f"{mine.get(key)}: pass the scale they were trained at, without `steps`"
             )
-    found = find_models(Path(source), task)
-    missing = [s for s in seeds if any((a, s) not in found for a in ATTENTIONS)]
-    if missing:
-        raise FileNotFoundError(f"{source}/models lacks the {task} models of seed(s) {missing}: pass fewer seeds")
+    found = saved_models(source, task, seeds, "pass fewer seeds")
     evals = []
     for seed in seeds:
         for attention in ATTENTIONS:

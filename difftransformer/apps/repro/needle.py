@@ -184,7 +184,7 @@ def markdown(result: dict) -> str:
     ]
     for i, (n, r) in enumerate(result["nr_grid"]):
         key = f"{n},{r}"
-        cells = [report.mean_std(_values(result, a, lambda e, k=key: e["by_nr"][k]["correct"])) for a in report.PAIR]
+        cells = [report.mean_std(_values(result, a, _outcome("by_nr", key, "correct"))) for a in report.PAIR]
         paper = [f"{result['paper']['nr'][a][i]:.2f}" for a in report.PAIR]
         lines.append(f"| ({n}, {r}) | {cells[0]} | {cells[1]} | {paper[0]} | {paper[1]} | {1 / n:.2f} |")
     size = spec["task"]["eval_size"]
@@ -198,7 +198,7 @@ def markdown(result: dict) -> str:
         "|---|---|---|---|",
     ]
     for n, r in result["nr_grid"]:
-        d = report.paired_difference(result, lambda e, k=f"{n},{r}": e["by_nr"][k]["correct"])
+        d = report.paired_difference(result, _outcome("by_nr", f"{n},{r}", "correct"))
         per_seed = " ".join(f"{x:+.2f}" for x in d["differences"])
         lines.append(f"| ({n}, {r}) | {d['mean']:+.3f} | [{d['low']:+.3f}, {d['high']:+.3f}] | {per_seed} |")
     lines += [
@@ -214,7 +214,7 @@ def markdown(result: dict) -> str:
         key = f"{n},{r}"
         cells = []
         for a in report.PAIR:
-            shares = [report.mean(_values(result, a, lambda e, k=key, s=s: e["by_nr"][k][s])) for s in ANSWER_KINDS]
+            shares = [report.mean(_values(result, a, _outcome("by_nr", key, kind))) for kind in ANSWER_KINDS]
             cells.append(" / ".join(f"{x:.2f}" for x in shares))
         lines.append(f"| ({n}, {r}) | {cells[0]} | {cells[1]} |")
     n, r = result["grid_needles"]
@@ -231,7 +231,7 @@ def markdown(result: dict) -> str:
     if more:
         lines += [
             "",
-            f"More needles than trained (N up to {max(spec['task'].get('needles', [0]))} in training): R={r}, the "
+            f"More needles than trained (N up to {max(_trained_needles(spec['task']))} in training): R={r}, the "
             f"training length {spec['seq_len']}, the random-needle baseline 1/N in brackets. " + STRESS_COLUMNS,
             "",
             *_stress_table(result, "by_needles", "N", {str(m): f"{m} ({1 / m:.2f})" for m in more}),
@@ -282,9 +282,19 @@ def _outcome(field: str, key: str, kind: str):
     return lambda e: e[field][key][kind]
 
 
+def _stages(task: dict) -> list:
+    """A needle task's training stages, [[until_step, needles], ...] (one stage, until None, without a curriculum)."""
+    return task.get("curriculum") or [[None, task["needles"]]]
+
+
+def _trained_needles(task: dict) -> set[int]:
+    """Every N a needle task trains on, over all its stages."""
+    return {n for _, needles in _stages(task) for n in needles}
+
+
 def training_data(task: dict) -> str:
     """The training batches of a needle task's options, in words."""
-    stages = task.get("curriculum") or [[None, task["needles"]]]
+    stages = _stages(task)
     drawn = "; then ".join(
         f"N from {n}" + ("" if i == len(stages) - 1 else f" until step {until}") for i, (until, n) in enumerate(stages)
     )
