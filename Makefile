@@ -18,6 +18,7 @@ $(STAMP): requirements-dev.txt pyproject.toml
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -r requirements-dev.txt
 	$(BIN)/python -m pip install --quiet --no-deps --no-build-isolation -e .
+	$(BIN)/python -c 'from difftransformer.core.attention import cpu_kernel; print(cpu_kernel.build())'
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -41,7 +41,8 @@ def test_no_head_norm_removes_only_the_norm():
     assert not torch.allclose(ref(x), ablated(x))
     for block in ref.layers:  # the reference with its norm replaced by the (1 - lambda_init) factor alone
         block.attn.subln.forward = lambda a, scale=1.0: a * scale
-    torch.testing.assert_close(ref(x), ablated(x))
+    with torch.no_grad():  # the inference path calls the norm module (training fuses it with out_proj)
+        torch.testing.assert_close(ref(x), ablated(x))
 
 
 def test_constant_lambda_init_changes_only_lambda_init():

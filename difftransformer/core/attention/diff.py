@@ -31,7 +31,7 @@ from difftransformer.core.attention.gqa_layout import warn_unknown_pairing
 from difftransformer.core.attention.kernels import attention_probs, diff_method, softmax_dtype
 from difftransformer.core.attention.logits import active_probe
 from difftransformer.core.config import DIFF_IMPLS, ModelConfig
-from difftransformer.core.layers import RMSNorm
+from difftransformer.core.layers import RMSNorm, head_norm_project
 from difftransformer.core.rotary import apply_rotary
 from difftransformer.errors import InputError
 
@@ -179,11 +179,10 @@ class MultiheadDiffAttn(AttentionBase):
             attn, weights = differential_attention(q, k, v, lam, scale=self.scaling, causal=causal, mask=mask)
         else:  # the same A by the exact method chosen at construction, without holding the maps
             attn = self.method(q, k, v, lam, scale=self.scaling, causal=causal, mask=mask)
-        if self.subln is not None:  # RMSNorm(A) * (1 - lambda_init), the factor folded into the norm's weight
-            attn = self.subln(attn, scale=1 - self.lambda_init)  # (B, H, T, 2d)
+        if self.subln is not None:  # out_proj(RMSNorm(A) * (1 - lambda_init)), the factor folded into the norm's weight
+            out = head_norm_project(attn, self.subln, 1 - self.lambda_init, self.out_proj)
         else:  # the ablation without the per-head norm keeps the factor
-            attn = attn * (1 - self.lambda_init)
-        out = self.out_proj(attn.transpose(1, 2).reshape(b, t, 2 * self.num_heads * self.head_dim))
+            out = self.out_proj((attn * (1 - self.lambda_init)).transpose(1, 2).reshape(b, t, -1))
         return (out, weights) if need_weights else out
 
     def _project(self, x, mask, positions, cache, rotary):

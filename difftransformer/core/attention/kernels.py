@@ -22,12 +22,15 @@ Exact methods for differential attention, chosen by ``impl``:
   Never materialises a (T, T) map.
 - ``plain``: materialises both (Tq, Tk) softmax maps of every head in float32: ``diff.differential_attention``,
   the readable method, used for analysis (``need_weights``) and under a logit probe.
-- ``block`` (``auto`` on CPU for half-heads of 64 or more, or 128 queries or more): processes blocks of
-  64 query rows with full key rows, so both softmax normalisers are known before touching V and
-  ``(P1 - lambda P2) @ V`` is applied once (docs/paper.md section 4: the attention core does the baseline's
-  arithmetic, with no 1.5x penalty of two online-softmax passes). Keys and values are read once per
+- ``block`` (``auto`` on CPU for half-heads of 64 or more, or 64 queries or more with the fused kernel, 128
+  without): processes blocks of 64 query rows with full key rows, so both softmax normalisers are known before
+  touching V and ``(P1 - lambda P2) @ V`` is applied once (docs/paper.md section 4: the attention core does the
+  baseline's arithmetic, with no 1.5x penalty of two online-softmax passes). Keys and values are read once per
   group, not repeated for GQA. A custom backward recomputes each block's softmax rows from q and k, so
-  training never holds the whole (T, T) maps either.
+  training never holds the whole (T, T) maps either. On CPU in float32 or float64 it runs as one fused C++
+  kernel (``cpu_kernel.py``, built from source at first use), which also returns A token-major so that the
+  per-head norm and out_proj read it without a transposed copy; otherwise (no compiler, other dtypes, under
+  torch.compile, other devices) as the PyTorch operations of ``_BlockDiffAttention``.
 - ``triton`` (opt-in, CUDA, ``pip install 'difftransformer[triton]'``): forward and backward Triton kernels that
   read K and V once for both maps (``triton_diff.py``). Inputs the kernels do not handle (a boolean mask,
   other head sizes or dtypes) take the ``auto`` path. Not chosen by ``auto``: no measurement on a GPU shows it
@@ -43,6 +46,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from difftransformer.core.attention import cpu_kernel
 from difftransformer.core.attention.logits import active_probe
 from difftransformer.errors import InputError
 
@@ -54,9 +58,12 @@ BLOCK_ELEMENTS = 1 << 23
 # On CPU the block method beats the fused sdpa path (which does 2x the arithmetic) from 128 query rows on, at every
 # head size: training steps of the small preset (half-heads of 16), batch 4, block/sdpa 0.85 at T = 256 and 0.76 at
 # T = 512; tiny preset at T = 256 0.91; at T = 64 the two tie (1.00 at d = 16, 1.04 at d = 8), so sdpa stays below.
-# The block method also saves less for backward: about 1.09x the standard model's activations against 1.3x.
+# The fused kernel (cpu_kernel.py) moves the crossing to 64 rows (attention core, forward and backward, block/sdpa
+# 0.90 at T = 64 with d = 16, 0.60 with d = 32, batch 8; at T = 32, batch 16, 2.1: its per-head matrix products are
+# too small there).
 BLOCK_MIN_HEAD_DIM = 64
 BLOCK_MIN_ROWS = 128
+KERNEL_MIN_ROWS = 64
 # Without gradients and with at most this many query rows (decoding from a KV cache), ``auto`` computes full
 # rows directly: each group's keys and its 2d-wide values are read once per token for both maps.
 DECODE_ROWS = 16
@@ -228,15 +235,24 @@ def diff_attention(
 
 def _auto(q, k, v, lambda_full, *, scale, causal=True, mask=None):
     """Decoding rows without gradient read K and V once; on CPU the block method from BLOCK_MIN_HEAD_DIM or
-    BLOCK_MIN_ROWS on; otherwise the fused sdpa path."""
+    BLOCK_MIN_ROWS on (KERNEL_MIN_ROWS with the fused kernel); otherwise the fused sdpa path."""
     if q.shape[3] <= DECODE_ROWS and not torch.is_grad_enabled():
         return _diff_decode(q, k, v, lambda_full, scale, causal, mask)
-    long_or_wide = q.shape[-1] >= BLOCK_MIN_HEAD_DIM or q.shape[3] >= BLOCK_MIN_ROWS
-    method = _block if q.device.type == "cpu" and long_or_wide else _sdpa
+    if q.device.type != "cpu":
+        return _sdpa(q, k, v, lambda_full, scale=scale, causal=causal, mask=mask)
+    min_rows = KERNEL_MIN_ROWS if cpu_kernel.supported(q, k, v) else BLOCK_MIN_ROWS
+    method = _block if q.shape[-1] >= BLOCK_MIN_HEAD_DIM or q.shape[3] >= min_rows else _sdpa
     return method(q, k, v, lambda_full, scale=scale, causal=causal, mask=mask)
 
 
 def _block(q, k, v, lambda_full, *, scale, causal=True, mask=None):
+    """The fused CPU kernel where it is built and applies (``cpu_kernel.py``), else the same method in PyTorch."""
+    if cpu_kernel.supported(q, k, v):
+        return cpu_kernel.fused_block(q, k, v, lambda_full, scale, causal, mask, BLOCK_ROWS)
+    return _block_torch(q, k, v, lambda_full, scale=scale, causal=causal, mask=mask)
+
+
+def _block_torch(q, k, v, lambda_full, *, scale, causal=True, mask=None):
     block = block_size(q.shape[0], q.shape[1], q.shape[3], k.shape[3])
     return _BlockDiffAttention.apply(q, k, v, lambda_full, scale, causal, mask, block)
 

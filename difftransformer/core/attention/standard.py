@@ -12,7 +12,7 @@ from torch import nn
 from difftransformer.core.attention.common import AttentionBase, KVStore, attended, project_heads
 from difftransformer.core.attention.kernels import standard_attention
 from difftransformer.core.config import ModelConfig
-from difftransformer.core.layers import RMSNorm
+from difftransformer.core.layers import RMSNorm, head_norm_project
 
 
 class MultiheadAttention(AttentionBase):
@@ -75,6 +75,7 @@ class MultiheadAttention(AttentionBase):
             q, k, v, scale=self.scaling, causal=self.causal and cache is None, mask=mask, need_weights=need_weights
         )
         if self.subln is not None:
-            attn = self.subln(attn)
-        out = self.out_proj(attn.transpose(1, 2).reshape(b, t, self.num_heads * d))
+            out = head_norm_project(attn, self.subln, 1.0, self.out_proj)
+        else:
+            out = self.out_proj(attn.transpose(1, 2).reshape(b, t, self.num_heads * d))
         return (out, weights) if need_weights else out

@@ -1,0 +1,157 @@
+"""The fused CPU kernel of the block method (``csrc/diff_block.cpp``): built from source at first use, with a fallback.
+
+The block method (``kernels.py``) on CPU, float32 or float64, runs through this kernel when it can be built: one
+C++ pass per block of query rows fuses both softmaxes with ``P1 - lambda P2`` (and, in backward, both softmax
+backwards, their row dots and the lambda gradient), on a buffer that stays in cache, around ATen's matrix products.
+
+Installation: nothing to do. The source ships inside the package (wheel or sdist), and the first call compiles it
+with PyTorch's ``torch.utils.cpp_extension`` (a C++ compiler and ``ninja`` are needed; ``make`` builds it once when
+it creates the environment). The build lands in ``$DIFFTX_CACHE`` (default ``~/.cache/difftransformer``) under a
+name that includes the torch version, the source's hash and the CPU's instruction sets (it is compiled for this
+CPU), so a changed source, torch or machine rebuilds it. When it cannot be built (no compiler, no ninja, an
+unsupported platform) a warning names the reason once and the block method runs as PyTorch operations, exact
+as well and slower. ``DIFFTX_CPU_KERNEL=0`` turns the kernel off.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("csrc") / "diff_block.cpp"
+FLAGS = ["-O3", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros"]
+_state: dict[str, object] = {}
+
+
+def enabled() -> bool:
+    """Whether the kernel may be used: not switched off by DIFFTX_CPU_KERNEL=0."""
+    return os.environ.get("DIFFTX_CPU_KERNEL", "1") != "0"
+
+
+def available() -> bool:
+    """Whether the kernel is built and loaded (building it on the first call); False, after one warning, when it
+    cannot be built."""
+    if not enabled():
+        return False
+    if "ok" not in _state:
+        _state["ok"] = _load()
+    return bool(_state["ok"])
+
+
+def build_directory() -> Path:
+    """Where this machine's build lives: keyed by torch version, source hash and the CPU's instruction sets."""
+    root = Path(os.environ.get("DIFFTX_CACHE") or Path.home() / ".cache" / "difftransformer")
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(_flags()).encode() + _cpu_flags().encode()).hexdigest()[:16]
+    return root / "kernels" / f"torch-{torch.__version__}-py{sys.version_info[0]}{sys.version_info[1]}-{key}"
+
+
+def _flags() -> list[str]:
+    return FLAGS + (["-march=native"] if platform.machine() in ("x86_64", "AMD64") else [])
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _load() -> bool:
+    from torch.utils import cpp_extension
+
+    _put_ninja_on_path()
+    directory = build_directory()
+    built = any(directory.glob("*.so"))
+    if not built:
+        print("difftransformer: building the fused CPU attention kernel (once per machine and torch version, under a "
+              f"minute) in {directory}", file=sys.stderr)  # fmt: skip
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        cpp_extension.load(
+            name="difftx_diff_block",
+            sources=[str(SOURCE)],
+            extra_cflags=_flags(),
+            build_directory=str(directory),
+            is_python_module=False,
+            verbose=False,
+        )
+    except Exception as err:  # no compiler, no ninja, a failed build: the PyTorch block method runs instead
+        reason = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
+        warnings.warn(
+            f"difftransformer: the fused CPU attention kernel could not be built ({reason}); the block method runs "
+            "as PyTorch operations instead (exact, slower). Install a C++ compiler and ninja (pip install ninja) "
+            "for the kernel, or set DIFFTX_CPU_KERNEL=0 to silence this.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return False
+    return True
+
+
+def _put_ninja_on_path() -> None:
+    """PyTorch looks for ninja on PATH; a ninja installed with pip into a virtual environment that is not activated
+    (``.venv/bin/python -m ...``) is not there."""
+    dirs = [os.path.dirname(sys.executable)]
+    try:
+        import ninja
+
+        dirs.append(ninja.BIN_DIR)
+    except (ImportError, AttributeError):
+        pass
+    path = os.environ.get("PATH", "").split(os.pathsep)
+    os.environ["PATH"] = os.pathsep.join(path + [d for d in dirs if d not in path])
+
+
+def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether the kernel handles these inputs: CPU, float32 or float64, unit stride in the last dimension, and not
+    under torch.compile (which traces the PyTorch block method and fuses its passes itself)."""
+    return (
+        not torch.compiler.is_compiling()
+        and q.device.type == "cpu"
+        and q.dtype in (torch.float32, torch.float64)
+        and q.dtype == k.dtype == v.dtype
+        and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
+        and available()
+    )
+
+
+def fused_block(q, k, v, lambda_full, scale, causal, mask, block) -> torch.Tensor:
+    """The block method through the kernel -> A (B, H, Tq, 2d), a transposed view of token-major storage."""
+    return _FusedBlockDiffAttention.apply(q, k, v, lambda_full, scale, causal, mask, block).transpose(1, 2)
+
+
+class _FusedBlockDiffAttention(torch.autograd.Function):
+    """Same arguments as ``kernels._BlockDiffAttention``; returns A token-major (B, Tq, H, 2d). Saves q, k, v (the
+    views it was given, no copies) and recomputes each block's softmax rows in backward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, lambda_full, scale, causal, mask, block):
+        mask = None if mask is None else mask[:, 0].contiguous()  # (B|1, Tq, Tk)
+        lam = float(lambda_full)
+        out = torch.ops.difftx.diff_block_forward(q, k, v, lam, scale, causal, mask, block)
+        ctx.save_for_backward(q, k, v, mask)
+        ctx.lam, ctx.scale, ctx.causal, ctx.block, ctx.lam_dtype = lam, scale, causal, block, lambda_full.dtype
+        return out  # (B, Tq, H, 2d)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, mask = ctx.saved_tensors
+        dq, dk, dv, dlam = torch.ops.difftx.diff_block_backward(
+            grad_out, q, k, v, ctx.lam, ctx.scale, ctx.causal, mask, ctx.block
+        )
+        return dq, dk, dv, dlam.to(ctx.lam_dtype), None, None, None, None
+
+
+def build() -> str:
+    """Build (or find) the kernel now and say so: ``make`` calls it once, ahead of the first test or demo."""
+    state = "ready" if available() else "not built (see the warning above); the PyTorch block method will run"
+    return f"fused CPU attention kernel: {state} ({build_directory()})"

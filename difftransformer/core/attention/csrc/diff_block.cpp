@@ -1,0 +1,280 @@
+// The block method of differential attention as one fused CPU kernel (kernels.py, "block"): for each
+// (batch, key/value group, query head, block of query rows) both maps' full score rows are computed into a
+// buffer that stays in cache, both softmaxes and the combination P1 - lambda P2 are one pass over them, and
+// (P1 - lambda P2) V is one matrix product; the backward recomputes the rows and fuses the softmax backward of
+// both maps, their row dots and the lambda gradient into one pass. The matrix products are ATen's (mm/addmm on
+// views, no copies). Built from source at first use by cpu_kernel.py; without a compiler the same method runs
+// in PyTorch operations.
+//
+// Shapes (kernels.py): q (B, H, 2, Tq, d), k (B, Hkv, 2, Tk, d), v (B, Hkv, Tk, 2d), each with a unit stride in
+// its last dimension; query head h reads group h / (H / Hkv). mask: empty, or boolean (B|1, Tq, Tk) contiguous,
+// True where a query may attend. Causal: query i sees key j when j <= i + Tk - Tq. A row that may attend nothing
+// gets zero probabilities (and output). The output A is returned token-major, (B, Tq, H, 2d), the layout in which
+// the per-head norm and out_proj read it (no transposed copy); the backward takes its gradient in that layout.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <mutex>
+#include <vector>
+
+namespace {
+
+// exp(x) for x <= 0 in float, in a form the compiler vectorises: Cody-Waite reduction x = n ln2 + r,
+// |r| <= ln2 / 2, and a degree-7 polynomial for exp(r) (about 1 ulp); below -87 the result is clamped to
+// exp(-87) ~ 1.6e-38, which no softmax row (whose largest term is 1) can resolve.
+inline float exp_nonpositive(float x) {
+  x = x < -87.0f ? -87.0f : x;
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  float r = x - n * 0.693359375f;
+  r = r + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float two_n;
+  std::memcpy(&two_n, &bits, sizeof two_n);
+  return p * two_n;
+}
+
+inline double exp_nonpositive(double x) { return std::exp(x); }
+
+// exp(s - max) of one score row in place over its first n entries (entries n..len-1 and masked ones become 0);
+// returns 1 / sum, the row's normaliser, or 0 when the row may attend nothing (then it is all zeros).
+template <typename T, bool kMasked>
+T exp_row(T* s, int64_t n, int64_t len, const bool* allowed) {
+  T mx = -std::numeric_limits<T>::infinity();
+  bool any = !kMasked && n > 0;
+  for (int64_t j = 0; j < n; ++j) {
+    if (kMasked) {
+      any = any || allowed[j];
+      mx = allowed[j] && s[j] > mx ? s[j] : mx;
+    } else {
+      mx = s[j] > mx ? s[j] : mx;
+    }
+  }
+  if (!any) {
+    std::fill(s, s + len, T(0));
+    return T(0);
+  }
+  T sum = 0;
+  for (int64_t j = 0; j < n; ++j) {
+    const T e = exp_nonpositive(s[j] - mx);
+    s[j] = kMasked && !allowed[j] ? T(0) : e;
+    sum += s[j];
+  }
+  std::fill(s + n, s + len, T(0));
+  return T(1) / sum;
+}
+
+struct Shapes {
+  int64_t b, h, hkv, rep, tq, tk, d, dv, offset;
+  bool causal;
+};
+
+Shapes shapes_of(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal) {
+  TORCH_CHECK(q.dim() == 5 && k.dim() == 5 && v.dim() == 4, "diff_block: q, k must be 5-D and v 4-D");
+  Shapes s{q.size(0), q.size(1), k.size(1), q.size(1) / k.size(1), q.size(3), k.size(3), q.size(4), v.size(3),
+           k.size(3) - q.size(3), causal};
+  TORCH_CHECK(s.h % s.hkv == 0 && q.size(2) == 2 && k.size(2) == 2, "diff_block: bad head layout");
+  TORCH_CHECK(q.stride(4) == 1 && k.stride(4) == 1 && v.stride(3) == 1, "diff_block: last dims must be dense");
+  return s;
+}
+
+// Keys query row i of a block may reach: all Tk, or up to i + offset under causality (at least none).
+inline int64_t reach(const Shapes& s, int64_t i) {
+  return s.causal ? std::max<int64_t>(0, std::min(s.tk, i + s.offset + 1)) : s.tk;
+}
+
+// The two maps' exp(score - row max) for query rows i0..i0+nb of one head (qs: its two (Tq, d) query halves, ks:
+// its group's two (Tk, d) key halves) into e1, e2 (nb x kend each), and each row's normaliser 1 / sum into inv
+// (2 x nb: map 1's rows, then map 2's); P_c = e_c * inv_c. mask_rows: the head's batch row of the mask, or null.
+template <typename T>
+void block_exps(const Shapes& s, const at::Tensor* qs, const at::Tensor* ks, const bool* mask_rows, double scale,
+                int64_t i0, int64_t nb, int64_t kend, at::Tensor& e1, at::Tensor& e2, T* inv) {
+  at::Tensor* maps[2] = {&e1, &e2};
+  const bool* allowed = mask_rows ? mask_rows + i0 * s.tk : nullptr;
+  for (int c = 0; c < 2; ++c) {
+    at::addmm_out(*maps[c], *maps[c], qs[c].narrow(0, i0, nb), ks[c].narrow(0, 0, kend).t(), 0, scale);
+    T* rows = maps[c]->data_ptr<T>();
+    for (int64_t i = 0; i < nb; ++i) {
+      const int64_t n = std::min(kend, reach(s, i0 + i));
+      inv[c * nb + i] = allowed ? exp_row<T, true>(rows + i * kend, n, kend, allowed + i * s.tk)
+                                : exp_row<T, false>(rows + i * kend, n, kend, nullptr);
+    }
+  }
+}
+
+// The per-head views the loops use: both halves of a (B, N, 2, T, d) tensor at (b, n).
+inline void halves(const at::Tensor& x, int64_t b, int64_t n, at::Tensor* out) {
+  const at::Tensor xbn = x.select(0, b).select(0, n);
+  out[0] = xbn.select(0, 0);
+  out[1] = xbn.select(0, 1);
+}
+
+inline const bool* mask_rows_of(const at::Tensor& mask, const Shapes& s, int64_t b) {
+  return mask.defined() ? mask.data_ptr<bool>() + (mask.size(0) == 1 ? 0 : b) * s.tq * s.tk : nullptr;
+}
+
+int64_t keys_of_block(const Shapes& s, int64_t i0, int64_t nb) { return s.causal ? reach(s, i0 + nb - 1) : s.tk; }
+
+template <typename T>
+at::Tensor forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double lambda, double scale,
+                        bool causal, const at::Tensor& mask, int64_t block) {
+  const Shapes s = shapes_of(q, k, v, causal);
+  at::Tensor out = at::empty({s.b, s.tq, s.h, s.dv}, q.options());  // A, token-major as out_proj reads it
+  const T lam = static_cast<T>(lambda);
+  at::parallel_for(0, s.b * s.hkv, 1, [&](int64_t begin, int64_t end) {
+    at::Tensor p1 = at::empty({block * s.tk}, q.options()), p2 = at::empty({block * s.tk}, q.options());
+    std::vector<T> inv(2 * block);
+    for (int64_t bg = begin; bg < end; ++bg) {
+      const int64_t b = bg / s.hkv, g = bg % s.hkv;
+      const at::Tensor vg = v.select(0, b).select(0, g);
+      at::Tensor ks[2], qs[2];
+      halves(k, b, g, ks);
+      for (int64_t r = 0; r < s.rep; ++r) {
+        const int64_t h = g * s.rep + r;
+        halves(q, b, h, qs);
+        const at::Tensor oh = out.select(0, b).select(1, h);
+        for (int64_t i0 = 0; i0 < s.tq; i0 += block) {
+          const int64_t nb = std::min(block, s.tq - i0), kend = keys_of_block(s, i0, nb);
+          at::Tensor o = oh.narrow(0, i0, nb);
+          if (kend == 0) {
+            o.zero_();
+            continue;
+          }
+          at::Tensor m1 = p1.narrow(0, 0, nb * kend).view({nb, kend}), m2 = p2.narrow(0, 0, nb * kend).view({nb, kend});
+          block_exps<T>(s, qs, ks, mask_rows_of(mask, s, b), scale, i0, nb, kend, m1, m2, inv.data());
+          for (int64_t i = 0; i < nb; ++i) {  // P1 - lambda P2, in place of e1
+            T* a = m1.data_ptr<T>() + i * kend;
+            const T* c = m2.data_ptr<T>() + i * kend;
+            const T w1 = inv[i], w2 = lam * inv[nb + i];
+            for (int64_t j = 0; j < kend; ++j) a[j] = a[j] * w1 - c[j] * w2;
+          }
+          at::mm_out(o, m1, vg.narrow(0, 0, kend));
+        }
+      }
+    }
+  });
+  return out;
+}
+
+template <typename T>
+std::vector<at::Tensor> backward_impl(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
+                                      const at::Tensor& v, double lambda, double scale, bool causal,
+                                      const at::Tensor& mask, int64_t block) {
+  const Shapes s = shapes_of(q, k, v, causal);
+  at::Tensor dq = at::zeros({s.b, s.h, 2, s.tq, s.d}, q.options());
+  at::Tensor dk = at::zeros({s.b, s.hkv, 2, s.tk, s.d}, q.options());
+  at::Tensor dv = at::zeros({s.b, s.hkv, s.tk, s.dv}, q.options());
+  const at::Tensor dout = grad_out.contiguous();
+  const T lam = static_cast<T>(lambda);
+  double dlam = 0;
+  std::mutex dlam_lock;
+  at::parallel_for(0, s.b * s.hkv, 1, [&](int64_t begin, int64_t end) {
+    at::Tensor p1 = at::empty({block * s.tk}, q.options()), p2 = at::empty({block * s.tk}, q.options());
+    at::Tensor dp = at::empty({block * s.tk}, q.options());
+    std::vector<T> inv(2 * block);
+    double dlam_local = 0;
+    for (int64_t bg = begin; bg < end; ++bg) {
+      const int64_t b = bg / s.hkv, g = bg % s.hkv;
+      const at::Tensor vg = v.select(0, b).select(0, g);
+      at::Tensor dvg = dv.select(0, b).select(0, g);
+      at::Tensor ks[2], qs[2], dks[2], dqs[2];
+      halves(k, b, g, ks);
+      halves(dk, b, g, dks);
+      for (int64_t r = 0; r < s.rep; ++r) {
+        const int64_t h = g * s.rep + r;
+        halves(q, b, h, qs);
+        halves(dq, b, h, dqs);
+        const at::Tensor douth = dout.select(0, b).select(1, h);
+        for (int64_t i0 = 0; i0 < s.tq; i0 += block) {
+          const int64_t nb = std::min(block, s.tq - i0), kend = keys_of_block(s, i0, nb);
+          if (kend == 0) continue;
+          at::Tensor m1 = p1.narrow(0, 0, nb * kend).view({nb, kend}), m2 = p2.narrow(0, 0, nb * kend).view({nb, kend});
+          at::Tensor g12 = dp.narrow(0, 0, nb * kend).view({nb, kend});
+          block_exps<T>(s, qs, ks, mask_rows_of(mask, s, b), scale, i0, nb, kend, m1, m2, inv.data());
+          const at::Tensor dob = douth.narrow(0, i0, nb);
+          const at::Tensor vb = vg.narrow(0, 0, kend);
+          // dV += (P1 - lambda P2)^T dO, the combined map built in the dP buffer before dP overwrites it.
+          T* a = m1.data_ptr<T>();
+          T* c = m2.data_ptr<T>();
+          T* gp = g12.data_ptr<T>();
+          for (int64_t i = 0; i < nb; ++i) {  // normalise both maps in place
+            const T w1 = inv[i], w2 = inv[nb + i];
+            for (int64_t j = i * kend; j < (i + 1) * kend; ++j) {
+              a[j] *= w1;
+              c[j] *= w2;
+              gp[j] = a[j] - lam * c[j];
+            }
+          }
+          dvg.narrow(0, 0, kend).addmm_(g12.t(), dob);
+          at::mm_out(g12, dob, vb.t());  // dP = dO V^T: map 1 receives dP, map 2 -lambda dP
+          for (int64_t i = 0; i < nb; ++i) {
+            T* a_i = a + i * kend;
+            T* c_i = c + i * kend;
+            const T* g_i = gp + i * kend;
+            T dot1 = 0, dot2 = 0;
+            for (int64_t j = 0; j < kend; ++j) {
+              dot1 += a_i[j] * g_i[j];
+              dot2 += c_i[j] * g_i[j];
+            }
+            dlam_local -= dot2;
+            for (int64_t j = 0; j < kend; ++j) {
+              a_i[j] = a_i[j] * (g_i[j] - dot1);
+              c_i[j] = -lam * c_i[j] * (g_i[j] - dot2);
+            }
+          }
+          at::Tensor* ds[2] = {&m1, &m2};
+          for (int c2 = 0; c2 < 2; ++c2) {  // dQ_c = scale dS_c K_c, dK_c += scale dS_c^T Q_c
+            at::Tensor dqc = dqs[c2].narrow(0, i0, nb);
+            at::addmm_out(dqc, dqc, *ds[c2], ks[c2].narrow(0, 0, kend), 0, scale);
+            dks[c2].narrow(0, 0, kend).addmm_(ds[c2]->t(), qs[c2].narrow(0, i0, nb), 1, scale);
+          }
+        }
+      }
+    }
+    std::lock_guard<std::mutex> hold(dlam_lock);
+    dlam += dlam_local;
+  });
+  return {dq, dk, dv, at::scalar_tensor(dlam, q.options())};
+}
+
+at::Tensor diff_block_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double lambda,
+                              double scale, bool causal, const c10::optional<at::Tensor>& mask, int64_t block) {
+  const at::Tensor m = mask.has_value() ? *mask : at::Tensor();
+  if (q.scalar_type() == at::kDouble) return forward_impl<double>(q, k, v, lambda, scale, causal, m, block);
+  TORCH_CHECK(q.scalar_type() == at::kFloat, "diff_block: float32 or float64 inputs");
+  return forward_impl<float>(q, k, v, lambda, scale, causal, m, block);
+}
+
+std::vector<at::Tensor> diff_block_backward(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
+                                            const at::Tensor& v, double lambda, double scale, bool causal,
+                                            const c10::optional<at::Tensor>& mask, int64_t block) {
+  const at::Tensor m = mask.has_value() ? *mask : at::Tensor();
+  if (q.scalar_type() == at::kDouble)
+    return backward_impl<double>(grad_out, q, k, v, lambda, scale, causal, m, block);
+  TORCH_CHECK(q.scalar_type() == at::kFloat, "diff_block: float32 or float64 inputs");
+  return backward_impl<float>(grad_out, q, k, v, lambda, scale, causal, m, block);
+}
+
+}  // namespace
+
+TORCH_LIBRARY(difftx, m) {
+  m.def("diff_block_forward(Tensor q, Tensor k, Tensor v, float lam, float scale, bool causal, Tensor? mask, "
+        "int block) -> Tensor");
+  m.def("diff_block_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, float lam, float scale, bool causal, "
+        "Tensor? mask, int block) -> Tensor[]");
+  m.impl("diff_block_forward", &diff_block_forward);
+  m.impl("diff_block_backward", &diff_block_backward);
+}
