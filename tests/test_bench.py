@@ -79,6 +79,9 @@ def test_saved_activation_bytes_counts_what_backward_keeps():
     x = torch.randn(4, 8)
     # x @ w saves x (4 x 8 float32 = 128 bytes) and w (a parameter: not counted); relu saves its output (another 128)
     assert saved_activation_bytes(lambda: torch.relu(x @ w).sum()) == 2 * 4 * 8 * 4
+    # a linear layer saves weight.t(), a view of the parameter: not counted either (only its input x)
+    linear = torch.nn.Linear(8, 8, bias=False)
+    assert saved_activation_bytes(lambda: linear(x.requires_grad_()).sum()) == 4 * 8 * 4
 
 
 @pytest.mark.slow

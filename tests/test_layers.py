@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -41,3 +42,112 @@ def test_swiglu_is_down_of_silu_gate_times_up_without_biases():
     hidden = F.silu(torch.tensor([1.0, 2.0, 3.0])) * torch.tensor([2.0, 4.0, -1.0])
     torch.testing.assert_close(ffn(x)[0], torch.stack([hidden.sum(), hidden[2]]))
     assert all(m.bias is None for m in (ffn.gate_proj, ffn.up_proj, ffn.down_proj))
+
+
+def plain_rms_norm(x, weight, eps):
+    xf = x.to(torch.promote_types(x.dtype, torch.float32))
+    return (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps) * weight).to(x.dtype)
+
+
+def grads(fn, inputs, grad):
+    out = fn()
+    return out, torch.autograd.grad(out, inputs, grad)
+
+
+def test_lean_rms_norm_and_swiglu_have_the_plain_expressions_gradients():
+    """The training paths save less (recompute in backward) but compute the same values and gradients (float64)."""
+    torch.manual_seed(0)
+    norm, ffn = RMSNorm(8).double(), SwiGLU(8, 12).double()
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    x = torch.randn(3, 5, 8, dtype=torch.float64, requires_grad=True)
+    g = torch.randn(3, 5, 8, dtype=torch.float64)
+    params = [x, norm.weight]
+    out, lean = grads(lambda: norm(x, scale=0.7), params, g)
+    ref, plain = grads(lambda: plain_rms_norm(x, norm.weight * 0.7, norm.eps), params, g)
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    for a, b in zip(lean, plain, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    params = [x, *ffn.parameters()]
+    out, lean = grads(lambda: ffn(x), params, g)
+    ref, plain = grads(lambda: ffn.down_proj(F.silu(ffn.gate_proj(x)) * ffn.up_proj(x)), params, g)
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    for a, b in zip(lean, plain, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_head_norm_project_has_the_plain_gradients_with_and_without_a_norm_weight():
+    from difftransformer.core.layers import head_norm_project
+
+    torch.manual_seed(1)
+    x = torch.randn(2, 3, 5, 4, dtype=torch.float64, requires_grad=True)  # (B, H, T, e)
+    proj = torch.nn.Linear(12, 6, bias=False).double()
+    g = torch.randn(2, 5, 6, dtype=torch.float64)
+    for norm in (RMSNorm(4).double(), RMSNorm(4, elementwise_affine=False).double()):
+        if norm.weight is not None:
+            with torch.no_grad():
+                norm.weight.uniform_(0.5, 1.5)
+        params = [x, proj.weight] + ([norm.weight] if norm.weight is not None else [])
+        weight = norm.weight * 0.4 if norm.weight is not None else torch.full((4,), 0.4, dtype=torch.float64)
+        out, lean = grads(lambda n=norm: head_norm_project(x, n, 0.4, proj), params, g)
+        ref, plain = grads(
+            lambda w=weight: proj(plain_rms_norm(x, w, 1e-5).transpose(1, 2).reshape(2, 5, 12)), params, g
+        )
+        torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+        for a, b in zip(lean, plain, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+        with torch.no_grad():  # inference calls the modules themselves
+            torch.testing.assert_close(head_norm_project(x, norm, 0.4, proj), ref)
+
+
+def test_lean_layers_save_only_what_they_cannot_recompute():
+    """Bytes autograd saves, against counts by hand: the norm keeps x and 1/rms per row, SwiGLU its input (for the
+    projections' weight gradients) and the gate and up outputs, not silu(gate) or the product."""
+    from difftransformer.apps.bench import saved_activation_bytes
+
+    b, t, d, f = 2, 7, 8, 12
+    x = torch.randn(b, t, d, requires_grad=True)
+    assert saved_activation_bytes(lambda: RMSNorm(d)(x).sum()) == 4 * (b * t * d + b * t)
+    assert saved_activation_bytes(lambda: SwiGLU(d, f)(x).sum()) == 4 * (b * t * d + 2 * b * t * f)
+
+
+def test_lean_layers_under_bfloat16_autocast_match_the_plain_expressions():
+    from difftransformer.core.layers import head_norm_project
+
+    torch.manual_seed(2)
+    ffn, norm, proj = SwiGLU(16, 24), RMSNorm(8), torch.nn.Linear(16, 16, bias=False)
+    x = torch.randn(2, 6, 16, requires_grad=True)
+    heads = torch.randn(2, 2, 6, 8, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        lean = [ffn(x), head_norm_project(heads, norm, 0.5, proj)]
+        with torch.no_grad():
+            ref = [ffn(x), head_norm_project(heads, norm, 0.5, proj)]
+        plain = [
+            ffn.down_proj(F.silu(ffn.gate_proj(x)) * ffn.up_proj(x)),
+            proj(norm(heads, scale=0.5).transpose(1, 2).reshape(2, 6, 16)),
+        ]
+    for out, r, p in zip(lean, ref, plain, strict=True):
+        assert out.dtype == torch.bfloat16
+        torch.testing.assert_close(out, r)
+        torch.testing.assert_close(out, p)
+    params = [x, heads, *ffn.parameters(), *norm.parameters(), proj.weight]
+    got = torch.autograd.grad(sum(o.float().square().sum() for o in lean), params, allow_unused=True)
+    want = torch.autograd.grad(sum(o.float().square().sum() for o in plain), params, allow_unused=True)
+    for a, b in zip(got, want, strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2 * b.abs().max().item())
+
+
+@pytest.mark.parametrize("seq", [64, 200])
+def test_diff_model_saves_no_more_for_backward_than_the_standard_model(seq):
+    """The issue-15 target on activations: DIFF at or below the standard model (same width and depth), both lean."""
+    from difftransformer.apps.bench import _lm_loss, saved_activation_bytes
+    from difftransformer.core.config import ModelConfig
+    from difftransformer.core.model import TransformerLM
+
+    x = torch.randint(0, 256, (2, seq + 1))
+    saved = {}
+    for attention in ("diff", "standard"):
+        model = TransformerLM(ModelConfig.preset("small", attention=attention, n_layers=2, vocab_size=256))
+        saved[attention] = saved_activation_bytes(lambda m=model: _lm_loss(m, x))
+    assert saved["diff"] <= saved["standard"], saved

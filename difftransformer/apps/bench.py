@@ -230,11 +230,12 @@ def format_attention(result: dict) -> str:
 
 def saved_activation_bytes(step: Callable[[], torch.Tensor]) -> int:
     """Bytes of the distinct storages that autograd saves for backward while ``step()`` runs the forward pass:
-    the activation memory of training (parameters excluded: they are saved by reference, not copied)."""
+    the activation memory of training (parameters and views of them, such as the ``weight.t()`` a linear layer
+    saves, excluded: they are saved by reference, not copied)."""
     storages: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        if not isinstance(t, torch.nn.Parameter):
+        if not isinstance(t, torch.nn.Parameter) and not isinstance(t._base, torch.nn.Parameter):
             storage = t.untyped_storage()
             storages[storage.data_ptr()] = storage.nbytes()
         return t

@@ -58,9 +58,9 @@ BLOCK_ELEMENTS = 1 << 23
 # On CPU the block method beats the fused sdpa path (which does 2x the arithmetic) from 128 query rows on, at every
 # head size: training steps of the small preset (half-heads of 16), batch 4, block/sdpa 0.85 at T = 256 and 0.76 at
 # T = 512; tiny preset at T = 256 0.91; at T = 64 the two tie (1.00 at d = 16, 1.04 at d = 8), so sdpa stays below.
-# The fused kernel (cpu_kernel.py) moves the crossing to 64 rows (attention core, forward and backward, block/sdpa
-# 0.90 at T = 64 with d = 16, 0.60 with d = 32, batch 8; at T = 32, batch 16, 2.1: its per-head matrix products are
-# too small there).
+# The fused kernel (cpu_kernel.py) moves the crossing to 64 rows (attention core, forward and backward, batch 8,
+# block/sdpa 0.54 at T = 64 with d = 16 and 0.56 with d = 32; at T = 32, batch 16, 1.67: its per-head matrix
+# products are too small there).
 BLOCK_MIN_HEAD_DIM = 64
 BLOCK_MIN_ROWS = 128
 KERNEL_MIN_ROWS = 64

@@ -96,31 +96,25 @@ inline int64_t reach(const Shapes& s, int64_t i) {
   return s.causal ? std::max<int64_t>(0, std::min(s.tk, i + s.offset + 1)) : s.tk;
 }
 
-// The two maps' exp(score - row max) for query rows i0..i0+nb of one head (qs: its two (Tq, d) query halves, ks:
-// its group's two (Tk, d) key halves) into e1, e2 (nb x kend each), and each row's normaliser 1 / sum into inv
-// (2 x nb: map 1's rows, then map 2's); P_c = e_c * inv_c. mask_rows: the head's batch row of the mask, or null.
+// Both maps' exp(score - row max) for query rows i0..i0+nb of one head into e (2, nb, kend), one batched product
+// for both maps (qh: the head's (2, Tq, d) query halves, kg: its group's (2, Tk, d) key halves), and each row's
+// normaliser 1 / sum into inv (2 x nb: map 1's rows, then map 2's); P_c = e_c * inv_c. mask_rows: the head's batch
+// row of the mask, or null.
 template <typename T>
-void block_exps(const Shapes& s, const at::Tensor* qs, const at::Tensor* ks, const bool* mask_rows, double scale,
-                int64_t i0, int64_t nb, int64_t kend, at::Tensor& e1, at::Tensor& e2, T* inv) {
-  at::Tensor* maps[2] = {&e1, &e2};
+void block_exps(const Shapes& s, const at::Tensor& qh, const at::Tensor& kg, const bool* mask_rows, double scale,
+                int64_t i0, int64_t nb, int64_t kend, at::Tensor& e, T* inv) {
+  at::baddbmm_out(e, e, qh.narrow(1, i0, nb), kg.narrow(1, 0, kend).transpose(1, 2), 0, scale);
   const bool* allowed = mask_rows ? mask_rows + i0 * s.tk : nullptr;
-  for (int c = 0; c < 2; ++c) {
-    at::addmm_out(*maps[c], *maps[c], qs[c].narrow(0, i0, nb), ks[c].narrow(0, 0, kend).t(), 0, scale);
-    T* rows = maps[c]->data_ptr<T>();
-    for (int64_t i = 0; i < nb; ++i) {
-      const int64_t n = std::min(kend, reach(s, i0 + i));
-      inv[c * nb + i] = allowed ? exp_row<T, true>(rows + i * kend, n, kend, allowed + i * s.tk)
-                                : exp_row<T, false>(rows + i * kend, n, kend, nullptr);
-    }
+  T* rows = e.data_ptr<T>();
+  for (int64_t i = 0; i < 2 * nb; ++i) {
+    const int64_t row = i % nb, n = std::min(kend, reach(s, i0 + row));
+    inv[i] = allowed ? exp_row<T, true>(rows + i * kend, n, kend, allowed + row * s.tk)
+                     : exp_row<T, false>(rows + i * kend, n, kend, nullptr);
   }
 }
 
-// The per-head views the loops use: both halves of a (B, N, 2, T, d) tensor at (b, n).
-inline void halves(const at::Tensor& x, int64_t b, int64_t n, at::Tensor* out) {
-  const at::Tensor xbn = x.select(0, b).select(0, n);
-  out[0] = xbn.select(0, 0);
-  out[1] = xbn.select(0, 1);
-}
+// The (2, T, d) halves of a (B, N, 2, T, d) tensor at (b, n).
+inline at::Tensor halves(const at::Tensor& x, int64_t b, int64_t n) { return x.select(0, b).select(0, n); }
 
 inline const bool* mask_rows_of(const at::Tensor& mask, const Shapes& s, int64_t b) {
   return mask.defined() ? mask.data_ptr<bool>() + (mask.size(0) == 1 ? 0 : b) * s.tq * s.tk : nullptr;
@@ -135,16 +129,14 @@ at::Tensor forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tens
   at::Tensor out = at::empty({s.b, s.tq, s.h, s.dv}, q.options());  // A, token-major as out_proj reads it
   const T lam = static_cast<T>(lambda);
   at::parallel_for(0, s.b * s.hkv, 1, [&](int64_t begin, int64_t end) {
-    at::Tensor p1 = at::empty({block * s.tk}, q.options()), p2 = at::empty({block * s.tk}, q.options());
+    at::Tensor maps = at::empty({2 * block * s.tk}, q.options());
     std::vector<T> inv(2 * block);
     for (int64_t bg = begin; bg < end; ++bg) {
       const int64_t b = bg / s.hkv, g = bg % s.hkv;
-      const at::Tensor vg = v.select(0, b).select(0, g);
-      at::Tensor ks[2], qs[2];
-      halves(k, b, g, ks);
+      const at::Tensor vg = v.select(0, b).select(0, g), kg = halves(k, b, g);
       for (int64_t r = 0; r < s.rep; ++r) {
         const int64_t h = g * s.rep + r;
-        halves(q, b, h, qs);
+        const at::Tensor qh = halves(q, b, h);
         const at::Tensor oh = out.select(0, b).select(1, h);
         for (int64_t i0 = 0; i0 < s.tq; i0 += block) {
           const int64_t nb = std::min(block, s.tq - i0), kend = keys_of_block(s, i0, nb);
@@ -153,15 +145,15 @@ at::Tensor forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tens
             o.zero_();
             continue;
           }
-          at::Tensor m1 = p1.narrow(0, 0, nb * kend).view({nb, kend}), m2 = p2.narrow(0, 0, nb * kend).view({nb, kend});
-          block_exps<T>(s, qs, ks, mask_rows_of(mask, s, b), scale, i0, nb, kend, m1, m2, inv.data());
+          at::Tensor e = maps.narrow(0, 0, 2 * nb * kend).view({2, nb, kend});
+          block_exps<T>(s, qh, kg, mask_rows_of(mask, s, b), scale, i0, nb, kend, e, inv.data());
+          T* e1 = e.data_ptr<T>();
+          const T* e2 = e1 + nb * kend;
           for (int64_t i = 0; i < nb; ++i) {  // P1 - lambda P2, in place of e1
-            T* a = m1.data_ptr<T>() + i * kend;
-            const T* c = m2.data_ptr<T>() + i * kend;
             const T w1 = inv[i], w2 = lam * inv[nb + i];
-            for (int64_t j = 0; j < kend; ++j) a[j] = a[j] * w1 - c[j] * w2;
+            for (int64_t j = i * kend; j < (i + 1) * kend; ++j) e1[j] = e1[j] * w1 - e2[j] * w2;
           }
-          at::mm_out(o, m1, vg.narrow(0, 0, kend));
+          at::mm_out(o, e.select(0, 0), vg.narrow(0, 0, kend));
         }
       }
     }
@@ -182,33 +174,29 @@ std::vector<at::Tensor> backward_impl(const at::Tensor& grad_out, const at::Tens
   double dlam = 0;
   std::mutex dlam_lock;
   at::parallel_for(0, s.b * s.hkv, 1, [&](int64_t begin, int64_t end) {
-    at::Tensor p1 = at::empty({block * s.tk}, q.options()), p2 = at::empty({block * s.tk}, q.options());
-    at::Tensor dp = at::empty({block * s.tk}, q.options());
+    at::Tensor maps = at::empty({2 * block * s.tk}, q.options()), dp = at::empty({block * s.tk}, q.options());
     std::vector<T> inv(2 * block);
     double dlam_local = 0;
     for (int64_t bg = begin; bg < end; ++bg) {
       const int64_t b = bg / s.hkv, g = bg % s.hkv;
-      const at::Tensor vg = v.select(0, b).select(0, g);
-      at::Tensor dvg = dv.select(0, b).select(0, g);
-      at::Tensor ks[2], qs[2], dks[2], dqs[2];
-      halves(k, b, g, ks);
-      halves(dk, b, g, dks);
+      const at::Tensor vg = v.select(0, b).select(0, g), kg = halves(k, b, g);
+      at::Tensor dvg = dv.select(0, b).select(0, g), dkg = halves(dk, b, g);
       for (int64_t r = 0; r < s.rep; ++r) {
         const int64_t h = g * s.rep + r;
-        halves(q, b, h, qs);
-        halves(dq, b, h, dqs);
+        const at::Tensor qh = halves(q, b, h);
+        at::Tensor dqh = halves(dq, b, h);
         const at::Tensor douth = dout.select(0, b).select(1, h);
         for (int64_t i0 = 0; i0 < s.tq; i0 += block) {
           const int64_t nb = std::min(block, s.tq - i0), kend = keys_of_block(s, i0, nb);
           if (kend == 0) continue;
-          at::Tensor m1 = p1.narrow(0, 0, nb * kend).view({nb, kend}), m2 = p2.narrow(0, 0, nb * kend).view({nb, kend});
+          at::Tensor e = maps.narrow(0, 0, 2 * nb * kend).view({2, nb, kend});
           at::Tensor g12 = dp.narrow(0, 0, nb * kend).view({nb, kend});
-          block_exps<T>(s, qs, ks, mask_rows_of(mask, s, b), scale, i0, nb, kend, m1, m2, inv.data());
+          block_exps<T>(s, qh, kg, mask_rows_of(mask, s, b), scale, i0, nb, kend, e, inv.data());
           const at::Tensor dob = douth.narrow(0, i0, nb);
           const at::Tensor vb = vg.narrow(0, 0, kend);
           // dV += (P1 - lambda P2)^T dO, the combined map built in the dP buffer before dP overwrites it.
-          T* a = m1.data_ptr<T>();
-          T* c = m2.data_ptr<T>();
+          T* a = e.data_ptr<T>();
+          T* c = a + nb * kend;
           T* gp = g12.data_ptr<T>();
           for (int64_t i = 0; i < nb; ++i) {  // normalise both maps in place
             const T w1 = inv[i], w2 = inv[nb + i];
@@ -235,12 +223,10 @@ std::vector<at::Tensor> backward_impl(const at::Tensor& grad_out, const at::Tens
               c_i[j] = -lam * c_i[j] * (g_i[j] - dot2);
             }
           }
-          at::Tensor* ds[2] = {&m1, &m2};
-          for (int c2 = 0; c2 < 2; ++c2) {  // dQ_c = scale dS_c K_c, dK_c += scale dS_c^T Q_c
-            at::Tensor dqc = dqs[c2].narrow(0, i0, nb);
-            at::addmm_out(dqc, dqc, *ds[c2], ks[c2].narrow(0, 0, kend), 0, scale);
-            dks[c2].narrow(0, 0, kend).addmm_(ds[c2]->t(), qs[c2].narrow(0, i0, nb), 1, scale);
-          }
+          // dS_c is now in e[c]: dQ = scale dS K and dK += scale dS^T Q, both maps in one batched product each
+          at::Tensor dqb = dqh.narrow(1, i0, nb);
+          at::baddbmm_out(dqb, dqb, e, kg.narrow(1, 0, kend), 0, scale);
+          dkg.narrow(1, 0, kend).baddbmm_(e.transpose(1, 2), qh.narrow(1, i0, nb), 1, scale);
         }
       }
     }
