@@ -151,3 +151,19 @@ def test_diff_model_saves_no_more_for_backward_than_the_standard_model(seq):
         model = TransformerLM(ModelConfig.preset("small", attention=attention, n_layers=2, vocab_size=256))
         saved[attention] = saved_activation_bytes(lambda m=model: _lm_loss(m, x))
     assert saved["diff"] <= saved["standard"], saved
+
+
+def test_lean_paths_leave_hooked_or_wrapped_modules_to_their_forward():
+    """A forward hook on down_proj or out_proj still fires in training: such modules take the plain path."""
+    from difftransformer.core.attention import MultiheadDiffAttn
+
+    ffn, attn = SwiGLU(8, 12), MultiheadDiffAttn(16, 2, 0)
+    x = torch.randn(2, 5, 8, requires_grad=True)
+    seen = []
+    ffn.down_proj.register_forward_hook(lambda *_: seen.append("down_proj"))
+    attn.out_proj.register_forward_pre_hook(lambda *_: seen.append("out_proj"))
+    attn.subln.register_forward_hook(lambda *_: seen.append("subln"))
+    ffn(x).sum().backward()
+    attn(torch.randn(2, 5, 16, requires_grad=True)).sum().backward()
+    assert seen == ["down_proj", "subln", "out_proj"]
+    assert type(SwiGLU(8, 12)(x).grad_fn).__name__ == "_LeanSwiGLUDownBackward"  # unhooked: the lean path

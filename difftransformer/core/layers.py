@@ -56,12 +56,27 @@ class _LeanRMSNorm(torch.autograd.Function):
         return *_rms_backward(grad, x, rstd, weight, ctx.needs_input_grad[1]), None
 
 
+def bypassable(*modules: nn.Module) -> bool:
+    """Whether a lean training path may use these modules' weights without calling them: plain bias-free
+    ``nn.Linear`` layers (or this file's RMSNorm) with no hooks of their own and no global module hooks. Anything
+    else (a quantized or LoRA-wrapped layer, a monitoring hook) takes the plain path, which calls the modules."""
+    from torch.nn.modules import module as torch_module
+
+    if torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:
+        return False
+    for m in modules:
+        plain = (type(m) is nn.Linear and m.bias is None) or type(m) is RMSNorm
+        if not plain or m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks:
+            return False
+    return True
+
+
 def head_norm_project(x: torch.Tensor, norm: RMSNorm, scale: float, proj: nn.Module) -> torch.Tensor:
     """``proj(concat_h norm(x_h, scale))`` for per-head outputs x (B, H, T, e) -> (B, T, D). In training with a plain
     ``proj`` it saves only x and the per-row 1/rms: the normalised heads that ``proj`` reads are recomputed in
     backward (an attention layer then saves no more than its core's output)."""
     b, h, t, e = x.shape
-    if type(proj) is nn.Linear and proj.bias is None and torch.is_grad_enabled():
+    if torch.is_grad_enabled() and bypassable(norm, proj):
         return _LeanHeadNormProject.apply(x, norm.scaled_weight(scale, x), norm.eps, proj.weight)
     return proj(norm(x, scale=scale).transpose(1, 2).reshape(b, t, h * e))
 
@@ -126,7 +141,7 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_proj(x), self.up_proj(x)
-        if type(self.down_proj) is nn.Linear and torch.is_grad_enabled():  # quantized layers keep the plain path
+        if torch.is_grad_enabled() and bypassable(self.down_proj):
             return _LeanSwiGLUDown.apply(gate, up, self.down_proj.weight)
         return self.down_proj(F.silu(gate) * up)
 

@@ -15,10 +15,10 @@ Scores and softmax are computed in float32 (float64 for float64 inputs).
 
 Exact methods for differential attention, chosen by ``impl``:
 
-- ``sdpa`` (``auto`` on GPUs, and on CPU for half-heads under 64 and fewer than 128 queries): one fused
-  ``scaled_dot_product_attention`` call over the 2H half-heads. Fused kernels need equal query and value
-  widths, so q and k are zero-padded from d to 2d (scores unchanged, scale passed explicitly) and each
-  group's 2d-wide V serves both maps: twice the baseline's attention-core work, inside a fused kernel.
+- ``sdpa`` (``auto`` on GPUs, and on CPU for half-heads under 64 and fewer than 64 queries, 128 without the fused
+  CPU kernel): one fused ``scaled_dot_product_attention`` call over the 2H half-heads. Fused kernels need equal
+  query and value widths, so q and k are zero-padded from d to 2d (scores unchanged, scale passed explicitly) and
+  each group's 2d-wide V serves both maps: twice the baseline's attention-core work, inside a fused kernel.
   Never materialises a (T, T) map.
 - ``plain``: materialises both (Tq, Tk) softmax maps of every head in float32: ``diff.differential_attention``,
   the readable method, used for analysis (``need_weights``) and under a logit probe.
