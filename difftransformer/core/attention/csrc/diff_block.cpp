@@ -49,21 +49,28 @@ inline float exp_nonpositive(float x) {
 
 inline double exp_nonpositive(double x) { return std::exp(x); }
 
+// The largest of the first n entries of a row, masked ones skipped; lowest() when none is left. GCC vectorises a
+// max reduction only when it may assume finite values: the attribute allows that here alone (scores are finite).
+template <typename T, bool kMasked>
+#if defined(__GNUC__) && !defined(__clang__)
+__attribute__((optimize("finite-math-only")))
+#endif
+T row_max(const T* s, int64_t n, const bool* allowed) {
+  constexpr T kNone = std::numeric_limits<T>::lowest();
+  T mx = kNone;
+  for (int64_t j = 0; j < n; ++j) {
+    const T x = kMasked && !allowed[j] ? kNone : s[j];
+    mx = x > mx ? x : mx;
+  }
+  return mx;
+}
+
 // exp(s - max) of one score row in place over its first n entries (entries n..len-1 and masked ones become 0);
 // returns 1 / sum, the row's normaliser, or 0 when the row may attend nothing (then it is all zeros).
 template <typename T, bool kMasked>
 T exp_row(T* s, int64_t n, int64_t len, const bool* allowed) {
-  T mx = -std::numeric_limits<T>::infinity();
-  bool any = !kMasked && n > 0;
-  for (int64_t j = 0; j < n; ++j) {
-    if (kMasked) {
-      any = any || allowed[j];
-      mx = allowed[j] && s[j] > mx ? s[j] : mx;
-    } else {
-      mx = s[j] > mx ? s[j] : mx;
-    }
-  }
-  if (!any) {
+  const T mx = row_max<T, kMasked>(s, n, allowed);
+  if (mx == std::numeric_limits<T>::lowest()) {  // nothing to attend
     std::fill(s, s + len, T(0));
     return T(0);
   }
