@@ -114,7 +114,7 @@ class _LeanHeadNormProject(torch.autograd.Function):
         y, rstd = _rms_forward(x, weight, eps)
         ctx.save_for_backward(x, rstd, weight, proj_weight)
         flat = y.transpose(1, 2).reshape(b, t, h * e)  # a view when x is token-major storage
-        return F.linear(flat, proj_weight.to(flat.dtype) if torch.is_autocast_enabled() else proj_weight)
+        return F.linear(flat, proj_weight)  # under autocast F.linear casts, as out_proj would
 
     @staticmethod
     def backward(ctx, grad):
@@ -147,15 +147,14 @@ class SwiGLU(nn.Module):
 
 
 class _LeanSwiGLUDown(torch.autograd.Function):
-    """``(silu(gate) * up) @ weight^T`` saving gate and up; backward recomputes silu(gate) and the product.
-
-    Under autocast the product and the matrix product run in the projections' dtype, as ``down_proj`` would."""
+    """``(silu(gate) * up) @ weight^T`` saving gate and up; backward recomputes silu(gate) and the product (in the
+    gradient's dtype, bf16 under autocast, as ``down_proj``'s backward would)."""
 
     @staticmethod
     def forward(ctx, gate, up, weight):
         hidden = F.silu(gate) * up
         ctx.save_for_backward(gate, up, weight)
-        return F.linear(hidden, weight.to(hidden.dtype) if torch.is_autocast_enabled() else weight)
+        return F.linear(hidden, weight)  # under autocast F.linear casts, as down_proj would
 
     @staticmethod
     def backward(ctx, grad):

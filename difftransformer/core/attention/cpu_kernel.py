@@ -1,8 +1,8 @@
 """The fused CPU kernel of the block method (``csrc/diff_block.cpp``): built from source at first use, with a fallback.
 
-The block method (``kernels.py``) on CPU, float32 or float64, runs through this kernel when it can be built: one
-C++ pass per block of query rows fuses both softmaxes with ``P1 - lambda P2`` (and, in backward, both softmax
-backwards, their row dots and the lambda gradient), on a buffer that stays in cache, around ATen's matrix products.
+The block method (``kernels.py``) on CPU, float32 or float64, runs through this kernel when it can be built: per
+block of query rows, C++ loops compute both softmaxes and ``P1 - lambda P2`` (and, in backward, both softmax
+backwards, their row dots and the lambda gradient) on a buffer that stays in cache, around ATen's matrix products.
 
 Installation: nothing to do. The source ships inside the package (wheel or sdist), and the first call compiles it
 with PyTorch's ``torch.utils.cpp_extension`` (a C++ compiler and ``ninja`` are needed; ``make`` builds it once when

@@ -1,10 +1,10 @@
 // The block method of differential attention as one fused CPU kernel (kernels.py, "block"): for each
-// (batch, key/value group, query head, block of query rows) both maps' full score rows are computed into a
-// buffer that stays in cache, both softmaxes and the combination P1 - lambda P2 are one pass over them, and
-// (P1 - lambda P2) V is one matrix product; the backward recomputes the rows and fuses the softmax backward of
-// both maps, their row dots and the lambda gradient into one pass. The matrix products are ATen's (mm/addmm on
-// views, no copies). Built from source at first use by cpu_kernel.py; without a compiler the same method runs
-// in PyTorch operations.
+// (batch, key/value group, query head, block of query rows) both maps' full score rows are computed by one batched
+// product into a buffer that stays in cache, the kernel's own vectorised loops take each row's max, exp and sum and
+// form P1 - lambda P2, and (P1 - lambda P2) V is one matrix product; the backward recomputes the rows and fuses the
+// softmax backward of both maps, their row dots and the lambda gradient into one loop. The matrix products are
+// ATen's (mm, addmm, baddbmm on views, no copies). Built from source at first use by cpu_kernel.py; without a
+// compiler the same method runs in PyTorch operations.
 //
 // Shapes (kernels.py): q (B, H, 2, Tq, d), k (B, Hkv, 2, Tk, d), v (B, Hkv, Tk, 2d), each with a unit stride in
 // its last dimension; query head h reads group h / (H / Hkv). mask: empty, or boolean (B|1, Tq, Tk) contiguous,
