@@ -98,6 +98,21 @@ def test_float32_equals_the_pytorch_block_method_and_the_float64_result(kernel, 
         assert (g.double() - g_exact).abs().max() <= 1e-5 * scale
 
 
+@pytest.mark.parametrize("switch", ["1", "0"])
+def test_a_broadcast_key_padding_mask_equals_the_expanded_one(kernel, monkeypatch, switch):
+    """kernels.diff_attention takes a mask broadcastable to (B, 1, Tq, Tk): a (B, 1, 1, Tk) padding mask works, in the
+    kernel and in the PyTorch block method (which read it by query rows; both once failed on it)."""
+    monkeypatch.setenv("DIFFTX_CPU_KERNEL", switch)
+    q, k, v, lam = inputs(2, 2, 1, 100, 100, 8, torch.float64)
+    padding = torch.ones(2, 1, 1, 100, dtype=torch.bool)
+    padding[1, ..., :7] = False
+    out = kernels.diff_attention(q, k, v, lam, scale=8**-0.5, mask=padding, impl="block")
+    fused = type(out.grad_fn).__name__ == "TransposeBackward0"
+    assert fused == (switch == "1")
+    expected = differential_attention(q, k, v, lam, scale=8**-0.5, mask=padding.expand(2, 1, 100, 100))[0]
+    torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-12)
+
+
 def test_output_is_token_major_and_the_module_chooses_the_kernel(kernel):
     q, k, v, lam = inputs(1, 2, 2, 64, 64, 8, torch.float32)
     out = kernels.diff_method("block")(q, k, v, lam, scale=8**-0.5)

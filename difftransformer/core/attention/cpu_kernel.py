@@ -135,7 +135,8 @@ class _FusedBlockDiffAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, lambda_full, scale, causal, mask, block):
-        mask = None if mask is None else mask[:, 0].contiguous()  # (B|1, Tq, Tk)
+        if mask is not None:  # broadcastable to (B|1, 1, Tq, Tk): the kernel reads (B|1, Tq, Tk) rows
+            mask = mask.expand(mask.shape[0], 1, q.shape[3], k.shape[3])[:, 0].contiguous()
         lam = float(lambda_full)
         out = torch.ops.difftx.diff_block_forward(q, k, v, lam, scale, causal, mask, block)
         ctx.save_for_backward(q, k, v, mask)

@@ -247,6 +247,8 @@ def _auto(q, k, v, lambda_full, *, scale, causal=True, mask=None):
 
 def _block(q, k, v, lambda_full, *, scale, causal=True, mask=None):
     """The fused CPU kernel where it is built and applies (``cpu_kernel.py``), else the same method in PyTorch."""
+    if mask is not None:  # both read the mask by query rows: a broadcast query axis is expanded (a view)
+        mask = mask.expand(mask.shape[0], 1, q.shape[3], k.shape[3])
     if cpu_kernel.supported(q, k, v):
         return cpu_kernel.fused_block(q, k, v, lambda_full, scale, causal, mask, BLOCK_ROWS)
     return _block_torch(q, k, v, lambda_full, scale=scale, causal=causal, mask=mask)
