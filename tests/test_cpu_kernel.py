@@ -180,3 +180,9 @@ def test_prefill_through_the_cache_equals_a_full_forward(kernel):
         full = plain(tokens)
     for i, logits in zip((69, 70, 71, 72), steps, strict=True):
         torch.testing.assert_close(logits, full[:, i], rtol=1e-4, atol=1e-4)
+
+
+def test_the_kernel_refuses_a_mask_it_cannot_read_by_rows(kernel):
+    q, k, v, lam = inputs(1, 2, 1, 20, 20, 8, torch.float64)
+    with pytest.raises(RuntimeError, match=r"mask must be a contiguous boolean \(B\|1, Tq, Tk\) tensor"):
+        fused(q, k, v, lam, True, torch.ones(1, 1, 1, 20, dtype=torch.bool))  # query axis not expanded

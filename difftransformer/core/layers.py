@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.modules import module as torch_module
 
 
 class RMSNorm(nn.Module):
@@ -60,8 +61,6 @@ def bypassable(*modules: nn.Module) -> bool:
     """Whether a lean training path may use these modules' weights without calling them: plain bias-free
     ``nn.Linear`` layers (or this file's RMSNorm) with no hooks of their own and no global module hooks. Anything
     else (a quantized or LoRA-wrapped layer, a monitoring hook) takes the plain path, which calls the modules."""
-    from torch.nn.modules import module as torch_module
-
     if torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:
         return False
     for m in modules:

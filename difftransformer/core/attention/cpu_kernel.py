@@ -125,7 +125,8 @@ def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
 
 
 def fused_block(q, k, v, lambda_full, scale, causal, mask, block) -> torch.Tensor:
-    """The block method through the kernel -> A (B, H, Tq, 2d), a transposed view of token-major storage."""
+    """The block method through the kernel -> A (B, H, Tq, 2d), a transposed view of token-major storage. mask:
+    None or boolean (B|1, 1, Tq, Tk) (``kernels._block`` expands a broadcast query axis; the kernel checks)."""
     return _FusedBlockDiffAttention.apply(q, k, v, lambda_full, scale, causal, mask, block).transpose(1, 2)
 
 
@@ -135,8 +136,7 @@ class _FusedBlockDiffAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, lambda_full, scale, causal, mask, block):
-        if mask is not None:  # broadcastable to (B|1, 1, Tq, Tk): the kernel reads (B|1, Tq, Tk) rows
-            mask = mask.expand(mask.shape[0], 1, q.shape[3], k.shape[3])[:, 0].contiguous()
+        mask = None if mask is None else mask[:, 0].contiguous()  # (B|1, 1, Tq, Tk) -> the kernel's (B|1, Tq, Tk)
         lam = float(lambda_full)
         out = torch.ops.difftx.diff_block_forward(q, k, v, lam, scale, causal, mask, block)
         ctx.save_for_backward(q, k, v, mask)

@@ -243,9 +243,20 @@ std::vector<at::Tensor> backward_impl(const at::Tensor& grad_out, const at::Tens
   return {dq, dk, dv, at::scalar_tensor(dlam, q.options())};
 }
 
+// The mask as the loops read it: undefined, or boolean (B|1, Tq, Tk) contiguous (a broadcast query axis must be
+// expanded by the caller; the rows are read by index).
+at::Tensor checked_mask(const c10::optional<at::Tensor>& mask, const at::Tensor& q, const at::Tensor& k) {
+  if (!mask.has_value()) return at::Tensor();
+  const at::Tensor& m = *mask;
+  TORCH_CHECK(m.scalar_type() == at::kBool && m.dim() == 3 && m.is_contiguous() &&
+                  (m.size(0) == 1 || m.size(0) == q.size(0)) && m.size(1) == q.size(3) && m.size(2) == k.size(3),
+              "diff_block: mask must be a contiguous boolean (B|1, Tq, Tk) tensor");
+  return m;
+}
+
 at::Tensor diff_block_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double lambda,
                               double scale, bool causal, const c10::optional<at::Tensor>& mask, int64_t block) {
-  const at::Tensor m = mask.has_value() ? *mask : at::Tensor();
+  const at::Tensor m = checked_mask(mask, q, k);
   if (q.scalar_type() == at::kDouble) return forward_impl<double>(q, k, v, lambda, scale, causal, m, block);
   TORCH_CHECK(q.scalar_type() == at::kFloat, "diff_block: float32 or float64 inputs");
   return forward_impl<float>(q, k, v, lambda, scale, causal, m, block);
@@ -254,7 +265,7 @@ at::Tensor diff_block_forward(const at::Tensor& q, const at::Tensor& k, const at
 std::vector<at::Tensor> diff_block_backward(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
                                             const at::Tensor& v, double lambda, double scale, bool causal,
                                             const c10::optional<at::Tensor>& mask, int64_t block) {
-  const at::Tensor m = mask.has_value() ? *mask : at::Tensor();
+  const at::Tensor m = checked_mask(mask, q, k);
   if (q.scalar_type() == at::kDouble)
     return backward_impl<double>(grad_out, q, k, v, lambda, scale, causal, m, block);
   TORCH_CHECK(q.scalar_type() == at::kFloat, "diff_block: float32 or float64 inputs");
