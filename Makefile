@@ -11,7 +11,7 @@ comma := ,
 space := $(eval) $(eval)
 INTEROP_PYTHONS := $(subst $(space),$(comma),$(strip $(foreach v,$(INTEROP_VERSIONS),$(CURDIR)/.venv-tf$(v)/bin/python)))
 
-.PHONY: demo test test-quick test-interop lint format clean
+.PHONY: demo test test-quick test-interop lint format clean shell docs
 
 $(STAMP): requirements-dev.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -20,6 +20,16 @@ $(STAMP): requirements-dev.txt pyproject.toml
 	$(BIN)/python -m pip install --quiet --no-deps --no-build-isolation -e .
 	$(BIN)/python -c 'from difftransformer.core.attention import cpu_kernel; print(cpu_kernel.build())'
 	touch $(STAMP)
+	@echo "$(VENV) is ready. The difftx command is $(BIN)/difftx: run 'source $(BIN)/activate' (or 'make shell') to put it on PATH"
+
+# a shell with the environment active (difftx and python on PATH); exit returns
+shell: $(STAMP)
+	@echo "difftx is on PATH in this shell (exit to leave)"
+	@VIRTUAL_ENV=$(CURDIR)/$(VENV) PATH="$(CURDIR)/$(BIN):$$PATH" $${SHELL:-/bin/bash}
+
+# the documentation site (docs/, mkdocs.yml) into site/; --strict: every warning is an error
+docs: $(STAMP)
+	$(BIN)/mkdocs build --strict --site-dir site
 
 demo: $(STAMP)
 	$(BIN)/difftx demo

@@ -21,9 +21,12 @@ def test_demo_trains_both_and_writes_a_report(capsys, tmp_path, prepared):
     result = run_demo(
         steps=8, eval_every=4, seq_len=64, batch_size=8, out=tmp_path / "demo", data=prepared, sample_tokens=20
     )
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
     assert "tiny DIFF: 1,345,984 parameters (4 differential heads); tiny standard: 1,345,408 (8 heads)" in out
     assert "val loss DIFF" in out and "val loss std" in out
+    assert "about 3 minutes on 2 idle CPU cores" in out and "lower is better" in out  # how long, what it means
+    assert "the committed study (`difftx repro lm --scale cpu" in out  # the numbers to read this one against
+    assert "demo  16/16 steps" in err  # the live line counts both models' steps
     for kind in ("diff", "standard"):
         assert result["final"][kind]["val_loss"] < 5.0  # ln 257 = 5.55 at the start
         assert len(result["samples"][kind]) == 3

@@ -38,7 +38,7 @@ def test_copied_run_resumes_into_the_copy(prepared, tmp_path, full, capsys):
     before = snapshot(original)
     shutil.copytree(original, tmp_path / "b")
     assert main(["train", "--resume", str(tmp_path / "b"), "--quiet"]) == 0
-    assert f"finished {tmp_path / 'b'} at step 12" in capsys.readouterr().out
+    assert f"done: {tmp_path / 'b'} at step 12;" in capsys.readouterr().out
     assert snapshot(original) == before  # the original is untouched: no checkpoint written or pruned there
     assert [p.name for p in list_checkpoints(tmp_path / "b")][-1] == "step_00000012"
     assert losses(tmp_path / "b") == full

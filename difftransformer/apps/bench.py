@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import importlib.util
 import platform
 import statistics
 import time
 from collections.abc import Callable
+from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 
@@ -17,6 +19,7 @@ from difftransformer.core.attention.kernels import standard_attention
 from difftransformer.core.config import ModelConfig
 from difftransformer.core.model import TransformerLM
 from difftransformer.inference.cache import KVCache
+from difftransformer.progress import Progress
 
 
 def machine() -> dict:
@@ -72,11 +75,35 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
+class _Calls:
+    """The live progress line of a benchmark, counted in timed calls (``total`` planned by the benchmark)."""
+
+    progress: Progress | None = None
+    done = 0
+
+    @classmethod
+    @contextmanager
+    def tracking(cls, what: str, total: int):
+        cls.progress, cls.done = Progress(total, f"bench {what}", unit="timed calls"), 0
+        try:
+            yield
+        finally:
+            cls.progress.close()
+            cls.progress = None
+
+    @classmethod
+    def tick(cls, note: str = "") -> None:
+        if cls.progress is not None:
+            cls.done += 1
+            cls.progress.update(cls.done, note=note)
+
+
 def median_times(fns: dict[str, Callable[[], None]], repeats: int, warmup: int = 1) -> dict[str, float]:
     """Median seconds of each function; repeats are interleaved so drifting machine load hits all alike."""
-    for fn in fns.values():
+    for name, fn in fns.items():
         for _ in range(warmup):
             fn()
+            _Calls.tick(f"warm-up of {name}")
     times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
@@ -85,6 +112,7 @@ def median_times(fns: dict[str, Callable[[], None]], repeats: int, warmup: int =
             fn()
             _sync()  # GPU work is asynchronous: time until it has finished
             times[name].append(time.perf_counter() - start)
+            _Calls.tick(f"{name}, repeat {len(times[name])} of {repeats}")
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
@@ -139,21 +167,14 @@ def bench_attention(
         pass
     for layer in layers.values():
         layer.to(device, dtype)
-    rows = []
-    for t in seqs:
-        x = torch.randn(batch, t, dim, device=device, dtype=dtype)
-        xg = x.clone().requires_grad_()
-        names = [n for n in layers if n not in ("plain", "hf-eager") or t <= plain_max_seq]
-        with torch.no_grad():
-            fwd = median_times({n: partial(layers[n], x) for n in names}, repeats)
-        fb = median_times({n: partial(_forward_backward, layers[n], xg) for n in names}, repeats)
-        for direction, res in (("forward", fwd), ("forward+backward", fb)):
-            rows.append({"seq": t, "direction": direction, "seconds": res})
-        core = _core_inputs(batch, heads, dim // heads, t, device, dtype)
-        impls = [i for i in diff_impls(device) if i != "plain" or t <= plain_max_seq]
-        fns = {"standard": partial(_core_standard, *core["standard"])}
-        fns |= {impl: partial(_core_diff, impl, *core["diff"]) for impl in impls}
-        rows.append({"seq": t, "direction": "core forward+backward", "seconds": median_times(fns, repeats)})
+    calls = sum(
+        (2 * len([n for n in layers if n not in ("plain", "hf-eager") or t <= plain_max_seq]) + 1
+         + len([i for i in diff_impls(device) if i != "plain" or t <= plain_max_seq])) * (1 + repeats)
+        for t in seqs
+    )  # fmt: skip
+    with _Calls.tracking("attention", calls):
+        rows = [_attention_rows(layers, t, dim, heads, batch, repeats, plain_max_seq, device, dtype) for t in seqs]
+    rows = [row for three in rows for row in three]
     return _result(
         "attention",
         {
@@ -168,6 +189,23 @@ def bench_attention(
         device,
         dtype,
     )
+
+
+def _attention_rows(layers, t, dim, heads, batch, repeats, plain_max_seq, device, dtype) -> list[dict]:
+    """The three rows of one sequence length: the layers forward, forward + backward, and the cores."""
+    x = torch.randn(batch, t, dim, device=device, dtype=dtype)
+    xg = x.clone().requires_grad_()
+    names = [n for n in layers if n not in ("plain", "hf-eager") or t <= plain_max_seq]
+    with torch.no_grad():
+        fwd = median_times({n: partial(layers[n], x) for n in names}, repeats)
+    fb = median_times({n: partial(_forward_backward, layers[n], xg) for n in names}, repeats)
+    rows = [{"seq": t, "direction": d, "seconds": res} for d, res in (("forward", fwd), ("forward+backward", fb))]
+    core = _core_inputs(batch, heads, dim // heads, t, device, dtype)
+    impls = [i for i in diff_impls(device) if i != "plain" or t <= plain_max_seq]
+    fns = {"standard": partial(_core_standard, *core["standard"])}
+    fns |= {impl: partial(_core_diff, impl, *core["diff"]) for impl in impls}
+    rows.append({"seq": t, "direction": "core forward+backward", "seconds": median_times(fns, repeats)})
+    return rows
 
 
 def _forward_backward(module: torch.nn.Module, x: torch.Tensor) -> None:
@@ -270,33 +308,9 @@ def bench_train(
     DiffLlama (its SDPA attention) built from our DIFF model's config and weights. With a GPU and Triton, also our
     DIFF with the Triton kernel (``diff-triton``)."""
     seqs = seqs or [256, 1024, 2048]
-    rows = []
-    for t in seqs:
-        models: dict[str, torch.nn.Module] = {}
-        for attention in ("diff", "standard"):
-            torch.manual_seed(0)
-            models[attention] = TransformerLM(ModelConfig.preset(preset, attention=attention, max_seq_len=t))
-        if "triton" in diff_impls(device):
-            models["diff-triton"] = TransformerLM(ModelConfig.preset(preset, max_seq_len=t, attn_impl="triton"))
-            models["diff-triton"].load_state_dict(models["diff"].state_dict())
-        try:
-            from difftransformer.interop.hf import to_hf
-
-            hf = to_hf(models["diff"]).train()
-            hf.config._attn_implementation = "sdpa"
-            models["hf-diffllama"] = hf
-        except ImportError:
-            pass
-        for m in models.values():
-            m.to(device, dtype)
-        x = torch.randint(0, models["diff"].config.vocab_size, (batch, t), device=device)
-        optimizers = {n: torch.optim.AdamW(m.parameters(), lr=1e-4, foreach=False) for n, m in models.items()}
-
-        seconds = median_times({n: partial(_train_step, m, optimizers[n], x) for n, m in models.items()}, repeats)
-        memory = {n: saved_activation_bytes(partial(_lm_loss, m, x)) for n, m in models.items()}
-        for m in models.values():
-            m.zero_grad(set_to_none=True)
-        rows.append({"seq": t, "seconds": seconds, "activation_bytes": memory})
+    n_models = 2 + ("triton" in diff_impls(device)) + (importlib.util.find_spec("transformers") is not None)
+    with _Calls.tracking("train", len(seqs) * n_models * (1 + repeats)):
+        rows = [_train_row(preset, t, batch, repeats, device, dtype) for t in seqs]
     cfg = ModelConfig.preset(preset)
     return _result(
         "train",
@@ -313,6 +327,35 @@ def bench_train(
         device,
         dtype,
     )
+
+
+def _train_row(preset: str, t: int, batch: int, repeats: int, device: str, dtype: torch.dtype) -> dict:
+    """bench_train's row of one sequence length: step seconds and saved activation bytes of each model."""
+    models: dict[str, torch.nn.Module] = {}
+    for attention in ("diff", "standard"):
+        torch.manual_seed(0)
+        models[attention] = TransformerLM(ModelConfig.preset(preset, attention=attention, max_seq_len=t))
+    if "triton" in diff_impls(device):
+        models["diff-triton"] = TransformerLM(ModelConfig.preset(preset, max_seq_len=t, attn_impl="triton"))
+        models["diff-triton"].load_state_dict(models["diff"].state_dict())
+    try:
+        from difftransformer.interop.hf import to_hf
+
+        hf = to_hf(models["diff"]).train()
+        hf.config._attn_implementation = "sdpa"
+        models["hf-diffllama"] = hf
+    except ImportError:
+        pass
+    for m in models.values():
+        m.to(device, dtype)
+    x = torch.randint(0, models["diff"].config.vocab_size, (batch, t), device=device)
+    optimizers = {n: torch.optim.AdamW(m.parameters(), lr=1e-4, foreach=False) for n, m in models.items()}
+
+    seconds = median_times({n: partial(_train_step, m, optimizers[n], x) for n, m in models.items()}, repeats)
+    memory = {n: saved_activation_bytes(partial(_lm_loss, m, x)) for n, m in models.items()}
+    for m in models.values():
+        m.zero_grad(set_to_none=True)
+    return {"seq": t, "seconds": seconds, "activation_bytes": memory}
 
 
 def format_train(result: dict) -> str:
@@ -412,6 +455,7 @@ def _decode_rows(models: dict[str, TransformerLM], contexts: list[int], tokens: 
                     samples[name] += model.seconds(context, tokens)
                 else:
                     samples[name] += _decode_seconds(model, context, tokens)
+                _Calls.tick(f"{name} at context {context}")
         rows.append({"context": context, "tokens_per_s": {n: 1 / statistics.median(t) for n, t in samples.items()}})
     return rows
 
@@ -440,7 +484,8 @@ def bench_decode(
 
         for attention in ("diff", "standard"):
             models[f"hf-{attention}"] = _HFGenerate(to_hf(models[attention]))
-    rows = _decode_rows(models, contexts, tokens, repeats)
+    with _Calls.tracking("decode", len(contexts) * repeats * len(models)):
+        rows = _decode_rows(models, contexts, tokens, repeats)
     cfg = models["diff"].config
     return _result(
         "decode",
@@ -527,7 +572,8 @@ def bench_quantized(run: str | Path, contexts: list[int], tokens: int = 32, repe
             f"a context of {max(contexts)} plus {tokens} new tokens exceeds the model context of {longest - 1}"
         )
     sizes = {name: (list_checkpoints(path)[-1] / "model.safetensors").stat().st_size for name, path in paths.items()}
-    rows = _decode_rows(models, contexts, tokens, repeats)
+    with _Calls.tracking("decode", len(contexts) * repeats * len(models)):
+        rows = _decode_rows(models, contexts, tokens, repeats)
     cfg = models["float"].config
     shapes = dict(run=str(run), source=str(source), scheme=spec["scheme"], attention=cfg.attention, batch=1,
                   d_model=cfg.d_model, n_layers=cfg.n_layers, new_tokens=tokens, bytes=sizes)  # fmt: skip

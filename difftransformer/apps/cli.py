@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -166,10 +167,14 @@ def _train(args: argparse.Namespace) -> int:
             return 0
         if main:
             n = unwrap(trainer.model).num_parameters()
+            steps = cfg.max_steps - trainer.step_idx
+            tokens, have = steps * cfg.batch_size * cfg.seq_len, trainer.train_data.n_tokens
             print(
-                f"difftx train: {cfg.out}: {trainer.model_config.attention} model, {n:,} parameters; steps "
-                f"{trainer.step_idx + 1}-{cfg.max_steps} of {cfg.batch_size} x {cfg.seq_len} tokens on "
-                f"{trainer.world.device} ({trainer.world.size} process(es))",
+                f"difftx train: {trainer.model_config.attention} model, {n:,} parameters ({cfg.preset} preset); "
+                f"{'resuming at step ' + str(trainer.step_idx + 1) + ', ' if trainer.step_idx else ''}{steps:,} steps "
+                f"of {cfg.batch_size} x {cfg.seq_len} tokens = {tokens:,} tokens ({tokens / have:.2f} passes over the "
+                f"{have:,} training tokens of {cfg.data}) on {trainer.world.device}"
+                f"{f' ({trainer.world.size} processes)' if trainer.world.size > 1 else ''}; writing to {cfg.out}",
                 flush=True,
             )
         rows = trainer.fit()
@@ -181,12 +186,18 @@ def _train(args: argparse.Namespace) -> int:
     finally:
         trainer.close()
     if main:
+        from difftransformer.training.checkpoint import list_checkpoints
+
         last = next((r for r in reversed(rows) if "val_loss" in r), {})
+        train_loss = rows[-1]["loss"] if rows else float("nan")
         print(
-            f"difftx train: finished {cfg.out} at step {trainer.step_idx}: validation loss "
-            f"{last.get('val_loss', float('nan')):.4f} nats/token ({last.get('val_bpb', float('nan')):.3f} bits per "
-            f"byte); checkpoint {trainer.run_dir / 'checkpoints'}. Sample with: difftx generate --run {cfg.out} "
-            "--prompt TEXT"
+            f"difftx train: done: {cfg.out} at step {trainer.step_idx}; training loss {train_loss:.4f}, validation "
+            f"loss {last.get('val_loss', float('nan')):.4f} nats/token ({last.get('val_bpb', float('nan')):.3f} bits "
+            f"per byte); checkpoint {list_checkpoints(trainer.run_dir)[-1]}"
+        )
+        print(
+            f"next: difftx generate --run {cfg.out} --prompt 'Your text' (to train further: difftx train --resume "
+            f"{cfg.out} --max-steps N)"
         )
     return 0
 
@@ -669,6 +680,10 @@ def _flag_namer(parser: argparse.ArgumentParser, owner: str | None = None):
     return name_of
 
 
+# the optional extras of pyproject.toml, by the top-level modules they provide
+EXTRAS = {"hf": ("transformers",), "plot": ("matplotlib",), "eval": ("lm_eval", "accelerate"), "triton": ("triton",)}
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one command. Exit codes: 0 done, 2 bad input or a file problem (one line on stderr), 3 training
     diverged, 130/143 interrupted by SIGINT/SIGTERM, 1 a defect (with its traceback: please report it)."""
@@ -695,6 +710,16 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(where, "stopped by SIGINT", code=130, label="interrupted")
     except MemoryError:
         return _fail(where, "out of memory: use a smaller model, batch or sequence length")
+    except ModuleNotFoundError as err:
+        extra = next((e for e, modules in EXTRAS.items() if (err.name or "").split(".")[0] in modules), None)
+        if extra is None:
+            raise
+        extra = "eval" if args.command == "eval" else extra  # lm-eval needs transformers too: one install for both
+        return _fail(where, f"this needs {err.name.split('.')[0]}, an optional dependency: pip install "
+                     f"'difftransformer[{extra}]'")  # fmt: skip
+    except BrokenPipeError:  # the reader went away (difftx ... | head): nothing more to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes stdout
+        return 0
     except RuntimeError as err:
         if type(err).__name__ != "OutOfMemoryError":  # torch.OutOfMemoryError, without importing torch here
             raise

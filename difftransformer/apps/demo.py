@@ -4,6 +4,7 @@ corpus, print both validation losses as they train, sample from each, and write 
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from pathlib import Path
@@ -12,14 +13,17 @@ import torch
 
 from difftransformer.core.model import TransformerLM
 from difftransformer.inference.generate import generate
+from difftransformer.progress import Progress
 from difftransformer.training import corpus
 from difftransformer.training.data import prepare, read_manifest
 from difftransformer.training.loop import TrainConfig, Trainer
 from difftransformer.training.tokenizer import ByteTokenizer
 
 PROMPTS = ("Return the ", "The module ", "If the ")
-STUDY = Path(__file__).resolve().parents[1] / "experiments" / "reports" / "lm" / "results.json"
+STUDY = Path(__file__).resolve().parents[2] / "experiments" / "reports" / "lm" / "results.json"
 KINDS = ("diff", "standard")
+# measured with `time make demo` (an existing .venv) on this project's 2-core EPYC VM, idle
+EXPECTED = "about 3 minutes on 2 idle CPU cores"
 
 
 def demo_data(path: Path) -> Path:
@@ -71,6 +75,16 @@ def run_demo(
     data_dir = demo_data(Path(data))
     run_dir = free_run_dir(Path(out))
     trainers = {}
+    progress = Progress(2 * steps, "demo", enabled=True)
+
+    losses = {}
+
+    def shown(kind: str, row: dict) -> None:  # both models' steps, tokens and latest losses on one live line
+        losses[kind] = row["loss"]
+        done = sum(t.step_idx for t in trainers.values())
+        note = "training loss " + ", ".join(f"{k} {v:.3f}" for k, v in losses.items())
+        progress.update(done, done * batch_size * seq_len, note=note)
+
     for kind in KINDS:
         cfg = TrainConfig(
             data=str(data_dir),
@@ -88,7 +102,7 @@ def run_demo(
             keep_last=1,
             seed=0,
         )
-        trainers[kind] = Trainer(cfg, quiet=True)
+        trainers[kind] = Trainer(cfg, quiet=True, on_step=lambda row, kind=kind: shown(kind, row))
     diff, std = (trainers[k].model for k in KINDS)
     n_diff, n_std = diff.num_parameters(), std.num_parameters()
     print(
@@ -98,7 +112,12 @@ def run_demo(
     print("lambda_init per layer:", " ".join(f"{b.attn.lambda_init:.3f}" for b in diff.layers))
     print(
         f"training both on {trainers['diff'].train_data.n_tokens:,} tokens of CPython documentation: {steps} steps "
-        f"of {batch_size} x {seq_len} tokens, {torch.get_num_threads()} thread(s)\n"
+        f"of {batch_size} x {seq_len} tokens, {torch.get_num_threads()} thread(s); "
+        f"{EXPECTED} (the live line below estimates this machine's)"
+    )
+    print(
+        "the table: validation loss in nats per byte token and bits per byte (lower is better; a model that knew "
+        f"nothing would score {math.log(256):.2f} nats), and each model's training throughput in tokens per second\n"
     )
     print(
         f"{'step':>6} {'val loss DIFF':>14} {'val loss std':>13} {'bpb DIFF':>9} {'bpb std':>8} "
@@ -115,11 +134,11 @@ def run_demo(
             rows[kind].extend(new)
             last[kind] = new[-1]
         d, s = last["diff"], last["standard"]
-        print(
+        progress.write(
             f"{d['step']:>6} {d['val_loss']:>14.4f} {s['val_loss']:>13.4f} {d['val_bpb']:>9.3f} {s['val_bpb']:>8.3f} "
-            f"{d['tokens_per_s']:>11,.0f} {s['tokens_per_s']:>10,.0f}",
-            flush=True,
+            f"{d['tokens_per_s']:>11,.0f} {s['tokens_per_s']:>10,.0f}"
         )
+    progress.close()
     for trainer in trainers.values():
         trainer.close()  # both runs are complete: release their directories
 

@@ -7,12 +7,45 @@ token, and lm-eval reports word perplexity, byte perplexity and bits per byte.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
+import re
+import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 TASK = "difftx_local_perplexity"
+# what lm-eval and the libraries under it print on every run of a local task, none of it actionable: the git hash
+# lookup outside a repository, progress bars, and warnings about a local task's defaults and a passed-in model
+NOISE = re.compile(
+    r"fatal: not a git repository|it/s\]|examples/s\]|Generating test split|is defined, but (aggregation|"
+    r"higher_is_better) is not|`pretrained` model kwarg is not of type|Passed an already-initialized model"
+)
+
+
+@contextlib.contextmanager
+def quiet_third_party(noise: re.Pattern = NOISE) -> Iterator[None]:
+    """Run the block with the process's stderr (file descriptor 2, so subprocesses and C code too) captured, then
+    print what it wrote except the lines ``noise`` matches: real warnings and errors still show."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as captured:
+        os.dup2(captured.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            captured.seek(0)
+            text = captured.read().decode("utf-8", "replace")
+            for line in re.split(r"[\r\n]+", text):
+                if line.strip() and not noise.search(line):
+                    print(line, file=sys.stderr)
+            sys.stderr.flush()
 
 
 def read_texts(jsonl: str | Path, text_field: str = "text") -> list[str]:
@@ -43,7 +76,11 @@ def lm_eval_perplexity(hf_model, hf_tokenizer, jsonl: str | Path, text_field: st
             "metric_list": [{"metric": m} for m in ("word_perplexity", "byte_perplexity", "bits_per_byte")],
         }
         (Path(tmp) / f"{TASK}.yaml").write_text(json.dumps(task))  # JSON is YAML
-        lm = HFLM(pretrained=hf_model, tokenizer=hf_tokenizer, batch_size=1, max_length=max_length)
-        out = lm_eval.simple_evaluate(model=lm, tasks=[TASK], task_manager=TaskManager(include_path=tmp))
+        with quiet_third_party():
+            logging.getLogger("lm_eval").setLevel(logging.ERROR)
+            os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+            lm = HFLM(pretrained=hf_model, tokenizer=hf_tokenizer, batch_size=1, max_length=max_length)
+            task_manager = TaskManager(include_path=tmp)
+            out = lm_eval.simple_evaluate(model=lm, tasks=[TASK], task_manager=task_manager, verbosity="ERROR")
     result = out["results"][TASK]
     return {m: result[f"{m},none"] for m in ("word_perplexity", "byte_perplexity", "bits_per_byte")}

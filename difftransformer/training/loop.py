@@ -15,6 +15,7 @@ import math
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -25,6 +26,7 @@ from difftransformer.core.config import ModelConfig
 from difftransformer.core.model import TransformerLM
 from difftransformer.errors import ConfigError, InputError, Interrupted, TrainingDiverged
 from difftransformer.fsutil import check_new_dir, write_text_atomic
+from difftransformer.progress import Progress
 from difftransformer.training.checkpoint import (
     clean_stale,
     list_checkpoints,
@@ -142,26 +144,6 @@ def optimizer_step(
     return row
 
 
-class Progress:
-    """A one-line progress bar on terminals, a plain line per update elsewhere."""
-
-    def __init__(self, total: int, enabled: bool) -> None:
-        self.total, self.enabled, self.tty = total, enabled, sys.stderr.isatty()
-
-    def update(self, step: int, loss: float, tokens_per_s: float, seconds_left: float) -> None:
-        if not self.enabled:
-            return
-        frac = step / self.total
-        bar = "#" * int(24 * frac) + "-" * (24 - int(24 * frac))
-        left = time.strftime("%H:%M:%S", time.gmtime(max(0, seconds_left)))
-        line = f"[{bar}] {step}/{self.total} loss {loss:.4f} {tokens_per_s:,.0f} tok/s {left} left"
-        print(("\r" + line) if self.tty else line, end="" if self.tty else "\n", file=sys.stderr, flush=True)
-
-    def close(self) -> None:
-        if self.enabled and self.tty:
-            print(file=sys.stderr)
-
-
 class Trainer:
     """Holds one run: model, optimizer, data, and the run directory. ``train_step()`` trains one optimizer step,
     ``fit()`` trains with logging, validation and checkpoints. ``close()`` releases the run directory.
@@ -170,8 +152,15 @@ class Trainer:
     from its newest checkpoint (or from step 0 if it stopped before its first), writing only into that directory.
     """
 
-    def __init__(self, cfg: TrainConfig, resume: bool = False, world: World | None = None, quiet: bool = False):
-        self.cfg, self.world, self.quiet = cfg, world or init_world(cfg.device), quiet
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        resume: bool = False,
+        world: World | None = None,
+        quiet: bool = False,
+        on_step: Callable[[dict], None] | None = None,
+    ):
+        self.cfg, self.world, self.quiet, self.on_step = cfg, world or init_world(cfg.device), quiet, on_step
         self.run_dir = Path(cfg.out)
         self.lock: RunLock | None = None
         self.created_dir = False  # this process made the run directory: a failed start removes it
@@ -248,7 +237,8 @@ class Trainer:
         self.optimizer = make_optimizer(self.model, cfg)
         self.amp = autocast_dtype(cfg, self.world.device)
         self.step_idx = 0
-        self.progress = Progress(cfg.max_steps, enabled=self.world.is_main and not self.quiet)
+        live = self.world.is_main and not self.quiet
+        self.progress = Progress(cfg.max_steps, f"train {self.run_dir.name}", enabled=live)
         if self.checkpoints:
             self._load_newest()
         elif resume:
@@ -403,6 +393,7 @@ class Trainer:
         stop = cfg.max_steps if until is None else min(until, cfg.max_steps)
         tokens_per_step = cfg.batch_size * cfg.seq_len
         start, start_step, rows = time.perf_counter(), self.step_idx, []
+        self.progress.begin(start_step, start_step * tokens_per_step)
         while self.step_idx < stop:
             row = self.train_step()
             step = self.step_idx
@@ -417,8 +408,11 @@ class Trainer:
             if step % cfg.log_interval == 0 or "val_loss" in row or "skipped" in row:
                 self.log(row)
                 rows.append(row)
-                left = (cfg.max_steps - step) * elapsed / (step - start_step)
-                self.progress.update(step, row["loss"], speed, left)
+            if "val_loss" in row and self.progress.enabled:
+                self.progress.write(f"step {step}: validation loss {row['val_loss']:.4f}", stream=sys.stderr)
+            self.progress.update(step, row["tokens"], row["loss"])
+            if self.on_step is not None:
+                self.on_step(row)
             if step % cfg.ckpt_interval == 0 or step == cfg.max_steps:
                 self.save()
             signum = int(all_reduce_max(torch.tensor(signals.received or 0)))

@@ -77,7 +77,7 @@ def run(
     hint = "run `difftx repro needle` with as many seeds, or drop `models` to train them here"
     found = saved_models(models, needle.TASK, seeds, hint) if models else {}
     if not found:
-        run_pairs(partial(needle.train_job, spec=spec, out=out), seeds, workers)
+        run_pairs(partial(needle.train_job, spec=spec, out=out), seeds, workers, spec.steps, "allocation")
         found = find_models(out, needle.TASK)
     evals = []
     for seed in seeds:

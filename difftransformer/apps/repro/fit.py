@@ -27,12 +27,14 @@ from difftransformer.core.attention.logits import LogitQuantizer, check_bits, lo
 from difftransformer.core.config import ModelConfig
 from difftransformer.core.model import TransformerLM
 from difftransformer.errors import InputError
+from difftransformer.progress import Progress
 from difftransformer.training.loop import lr_at, make_optimizer, optimizer_step
 from difftransformer.training.runs import MODEL_CONFIG, load_run, save_run
 from difftransformer.training.tokenizer import IdTokenizer
 
 ATTENTIONS = ("diff", "standard")
 CPU = torch.device("cpu")  # one thread per model, several models at a time
+_steps_done = None  # while run_pairs shows progress: a shared count of the training steps of all its workers
 
 
 @dataclass
@@ -138,6 +140,9 @@ def fit(
         row = optimizer_step(model, optimizer, [sample(data, spec.batch_size)], lr_at(step, spec), 1.0, CPU)
         seconds += time.perf_counter() - start
         losses.append(row["loss"])
+        if _steps_done is not None:
+            with _steps_done.get_lock():
+                _steps_done.value += 1
     record = {
         "attention": attention,
         "seed": seed,
@@ -153,16 +158,31 @@ def _mean(xs: list[float]) -> float | None:
     return round(sum(xs) / len(xs), 4) if xs else None
 
 
-def run_pairs(job: Callable[[str, int], dict], seeds: list[int], workers: int) -> list[dict]:
-    """job(attention, seed) for both attentions and every seed, ``workers`` at a time (one thread each).
+def run_pairs(job: Callable[[str, int], dict], seeds: list[int], workers: int, steps: int, label: str) -> list[dict]:
+    """job(attention, seed) for both attentions and every seed, ``workers`` at a time (one thread each), with a live
+    progress line (``label``) counting the training steps of all of them (``steps`` per model).
 
     ``job`` must be picklable (a module-level function or functools.partial of one): workers are spawned.
     """
     tasks = [(attention, seed) for seed in seeds for attention in ATTENTIONS]
-    if workers <= 1:
-        return [job(a, s) for a, s in tasks]
-    with ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn")) as pool:
-        return list(pool.map(job, *zip(*tasks, strict=True)))
+    ctx = get_context("spawn")
+    counter = ctx.Value("q", 0)
+    progress = Progress(len(tasks) * steps, f"repro {label}: {len(tasks)} models, {min(workers, len(tasks))} at a time")
+    _count_steps(counter)
+    try:
+        with progress.watching(lambda: counter.value):
+            if workers <= 1:
+                return [job(a, s) for a, s in tasks]
+            with ProcessPoolExecutor(workers, ctx, initializer=_count_steps, initargs=(counter,)) as pool:
+                return list(pool.map(job, *zip(*tasks, strict=True)))
+    finally:
+        _count_steps(None)
+
+
+def _count_steps(counter) -> None:
+    """Make fit() count its steps in ``counter`` (None: stop counting); a worker process's initializer."""
+    global _steps_done
+    _steps_done = counter
 
 
 def model_dir(out: Path, task: str, attention: str, seed: int) -> Path:
@@ -215,7 +235,7 @@ def save_and_evaluate(
 def train_pairs(out: Path, task: str, scale: str, spec: FitSpec, job, seeds: list[int], workers: int) -> dict:
     """Train, save (under out/models) and evaluate every pair (``job(attention, seed)`` returns fit()'s record
     plus an ``eval``), and return the common part of the experiment's result record."""
-    runs = run_pairs(job, seeds, workers)
+    runs = run_pairs(job, seeds, workers, spec.steps, task)
     return {
         "experiment": task,
         "scale": scale,

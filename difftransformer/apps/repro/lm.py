@@ -40,13 +40,14 @@ from difftransformer.apps.repro import lm_measure
 from difftransformer.core.model import count_parameters
 from difftransformer.errors import InputError, Interrupted, TrainingDiverged
 from difftransformer.fsutil import open_plan, read_json_object, write_text_atomic
+from difftransformer.progress import Progress
 from difftransformer.training import corpus
 from difftransformer.training.config import TrainConfig, device_problem, resume_config
 from difftransformer.training.data import TokenData, eval_windows, is_val_document, prepare, read_manifest
 from difftransformer.training.evaluate import token_losses
 from difftransformer.training.interrupts import StopSignals
 from difftransformer.training.loop import Trainer, layer_lambdas
-from difftransformer.training.runs import TRAIN_CONFIG
+from difftransformer.training.runs import METRICS, TRAIN_CONFIG
 
 PARTS = ("sweep", "grid", "ablations")
 STUDY = "study.json"
@@ -285,14 +286,29 @@ def execute(runs: list[Run], scale: Scale, out: Path, data: Path, workers: int) 
         return
     print(f"{len(todo)} runs to train ({len(set(runs)) - len(todo)} done), {workers} at a time", flush=True)
     jobs = [(r, scale, str(data), str(out)) for r in todo]
-    if workers <= 1:
-        for job in jobs:
-            _report(_train_and_measure(*job))
-        return
-    _run_processes(jobs, workers, out)
+    dirs = [out / "runs" / r.name for r in todo]
+    progress = Progress(sum(r.steps for r in todo), f"repro lm: {len(todo)} runs")
+    progress.begin(sum(map(_trained_steps, dirs)))
+    with progress.watching(lambda: sum(map(_trained_steps, dirs)), every_s=2.0):
+        if workers <= 1:
+            for job in jobs:
+                _report(_train_and_measure(*job), progress)
+            return
+        _run_processes(jobs, workers, out, progress)
 
 
-def _run_processes(jobs: list[tuple], workers: int, out: Path) -> None:
+def _trained_steps(run_dir: Path) -> int:
+    """The last step a run logged in its metrics.jsonl (0 before its first row)."""
+    try:
+        with open(run_dir / METRICS, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - 4096))
+            tail = f.read().splitlines()
+        return int(json.loads(tail[-1])["step"]) if tail else 0
+    except (OSError, ValueError, KeyError):
+        return 0
+
+
+def _run_processes(jobs: list[tuple], workers: int, out: Path, progress: Progress) -> None:
     """One spawned process per run, at most ``workers`` at once, each in its own session so that a Ctrl-C reaches
     this process only: the first SIGINT or SIGTERM is passed on once as SIGTERM (each run finishes its step, writes a
     checkpoint and stops; no new run starts), a second one stops the runs at once (their last checkpoints stay)."""
@@ -314,7 +330,7 @@ def _run_processes(jobs: list[tuple], workers: int, out: Path) -> None:
                 for proc in [p for p in running if p.exitcode is not None]:
                     run = running.pop(proc)
                     if proc.exitcode == 0:
-                        _report(read_json_object(out / "measures" / f"{run.name}.json"))
+                        _report(read_json_object(out / "measures" / f"{run.name}.json"), progress)
                     else:
                         failed.append((run, proc.exitcode))
         finally:
@@ -347,8 +363,8 @@ def _job_process(run: Run, scale: Scale, data: str, out: str) -> None:
         sys.exit(2)
 
 
-def _report(measure: dict) -> None:
-    print(f"  {measure['name']}: val loss {measure['val']['loss']:.4f} ({measure['train_seconds']:.0f} s)", flush=True)
+def _report(measure: dict, progress: Progress) -> None:
+    progress.write(f"  {measure['name']}: val loss {measure['val']['loss']:.4f} ({measure['train_seconds']:.0f} s)")
 
 
 def _cost(run: Run, scale: Scale) -> float:

@@ -1,0 +1,136 @@
+"""A live progress line for work that takes more than a few seconds: done/total, the latest loss, a smoothed
+throughput and the time left.
+
+On a terminal it is one line rewritten in place (at most a few times a second); elsewhere (a log file, CI) it prints a
+plain line every ``every_s`` seconds, so a log shows progress without a flood of lines.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+TAU_S = 20.0  # the smoothing window of the throughput: older intervals weigh exp(-age / TAU_S)
+
+
+def duration(seconds: float) -> str:
+    """12s, 3m05s, 1h02m."""
+    if not math.isfinite(seconds):
+        return "?"
+    s = max(0, round(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
+class Progress:
+    """``update(done, tokens=..., loss=...)`` after each unit of work (``done`` counts units from 0 to ``total``;
+    ``tokens`` is the running total of tokens processed, for the tokens/s figure); ``write(line)`` prints a line
+    without breaking the live one; ``close()`` ends it. ``enabled=False`` makes every call a no-op."""
+
+    def __init__(
+        self,
+        total: int,
+        label: str = "",
+        unit: str = "steps",
+        enabled: bool = True,
+        stream=None,
+        every_s: float = 30.0,
+    ) -> None:
+        self.total, self.label, self.unit, self.enabled = max(1, total), label, unit, enabled
+        self.stream = sys.stderr if stream is None else stream
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.every_s = 0.25 if self.tty else every_s
+        self.start = self._last_t = time.monotonic()
+        self._last_done, self._last_tokens = 0, 0
+        self._rate = self._token_rate = None  # units/s and tokens/s, smoothed
+        self._shown_at, self._shown_done, self._width, self._line = -math.inf, -1, 0, ""
+
+    def begin(self, done: int = 0, tokens: int = 0) -> None:
+        """Restart the clock at ``done`` units (a resumed run counts its speed from here)."""
+        self.start = self._last_t = time.monotonic()
+        self._last_done, self._last_tokens = done, tokens
+
+    def update(self, done: int, tokens: int | None = None, loss: float | None = None, note: str = "") -> None:
+        if not self.enabled:
+            return
+        now = time.monotonic()
+        dt = now - self._last_t
+        if dt > 0 and done > self._last_done:
+            weight = 1 - math.exp(-dt / TAU_S)
+            rate, old = (done - self._last_done) / dt, self._rate
+            self._rate = rate if old is None else old + weight * (rate - old)
+            if tokens is not None:
+                rate = (tokens - self._last_tokens) / dt
+                old = self._token_rate
+                self._token_rate = rate if old is None else old + weight * (rate - old)
+                self._last_tokens = tokens
+            self._last_t, self._last_done = now, done
+        parts = [self.label] if self.label else []
+        parts.append(f"{done}/{self.total} {self.unit}")
+        if loss is not None and math.isfinite(loss):
+            parts.append(f"loss {loss:.4f}")
+        if self._token_rate is not None:
+            parts.append(f"{self._token_rate:,.0f} tok/s")
+        elif self._rate is not None:
+            rate, per = (self._rate, "s") if self._rate >= 0.1 else (60 * self._rate, "min")
+            parts.append(f"{rate:.2f} {self.unit}/{per}")
+        if note:
+            parts.append(note)
+        left = (self.total - done) / self._rate if self._rate else math.inf
+        parts.append(f"{duration(now - self.start)} elapsed, {duration(left) if done < self.total else '0s'} left")
+        self._line = "  ".join(parts)
+        if now - self._shown_at >= self.every_s or (done >= self.total and self._shown_done != done):
+            self._show()
+            self._shown_at, self._shown_done = now, done
+
+    def _show(self) -> None:
+        if self.tty:
+            frac = min(1.0, self._last_done / self.total)
+            line = f"[{'#' * int(20 * frac):-<20}] {self._line}"
+            self.stream.write("\r" + line.ljust(self._width))
+            self._width = len(line)
+        else:
+            self.stream.write(self._line + "\n")
+        self.stream.flush()
+
+    def write(self, line: str, stream=None) -> None:
+        """Print ``line`` (to stdout by default) above the live line, which is drawn again under it."""
+        if self.enabled and self.tty and self._width:
+            self.stream.write("\r" + " " * self._width + "\r")
+            self.stream.flush()
+        print(line, file=sys.stdout if stream is None else stream, flush=True)
+        if self.enabled and self.tty and self._width:
+            self._show()
+
+    @contextmanager
+    def watching(self, count: Callable[[], int], every_s: float = 1.0) -> Iterator[Progress]:
+        """Poll ``count()`` (units done, e.g. steps of worker processes) from a thread every ``every_s`` seconds and
+        show it, until the block ends; then show the last count and close the line."""
+        stop = threading.Event()
+
+        def poll() -> None:
+            while not stop.wait(every_s):
+                self.update(count())
+
+        thread = threading.Thread(target=poll, daemon=True)
+        thread.start()
+        try:
+            yield self
+        finally:
+            stop.set()
+            thread.join()
+            self.update(count())
+            self.close()
+
+    def close(self) -> None:
+        if self.enabled and self.tty and self._width:
+            self.stream.write("\n")
+            self.stream.flush()
+            self._width = 0

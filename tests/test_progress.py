@@ -1,0 +1,139 @@
+"""The live progress line (difftransformer.progress) and what the commands print around long work: start and end
+summaries of train, the demo's context, third-party noise filtered from eval."""
+
+from __future__ import annotations
+
+import io
+import subprocess
+import sys
+
+import pytest
+
+from difftransformer import progress as progress_module
+from difftransformer.progress import Progress, duration
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    fake = Clock()
+    monkeypatch.setattr(progress_module.time, "monotonic", fake)
+    return fake
+
+
+def test_duration():
+    assert [duration(s) for s in (0, 12.4, 59.6, 61, 3599, 3600, 7325)] == ["0s", "12s", "1m00s", "1m01s", "59m59s",
+                                                                           "1h00m", "2h02m"]  # fmt: skip
+    assert duration(float("inf")) == "?"
+
+
+def test_log_lines_are_spaced_and_show_rate_eta_and_loss(clock):
+    out = io.StringIO()
+    p = Progress(100, "train x", stream=out, every_s=30)
+    for step in range(1, 101):  # 1 step per second, 512 tokens per step
+        clock.now += 1.0
+        p.update(step, tokens=512 * step, loss=5.0 - step / 100)
+    lines = out.getvalue().splitlines()
+    # the first update, then one line per 30 seconds, and the last
+    assert [line.split("  ")[1] for line in lines] == ["1/100 steps", "31/100 steps", "61/100 steps", "91/100 steps",
+                                                       "100/100 steps"]  # fmt: skip
+    assert lines[2] == "train x  61/100 steps  loss 4.3900  512 tok/s  1m01s elapsed, 39s left"
+    assert lines[-1].endswith("1m40s elapsed, 0s left")
+
+
+def test_rate_is_smoothed_over_a_slow_step(clock):
+    out = io.StringIO()
+    p = Progress(1000, stream=out, every_s=0)
+    for step in range(1, 51):
+        clock.now += 1.0
+        p.update(step, tokens=100 * step)
+    clock.now += 10.0  # one step ten times slower (a validation, a busy machine)
+    p.update(51, tokens=5100)
+    shown = out.getvalue().splitlines()[-1]
+    rate = float(shown.split("  ")[1].split()[0].replace(",", ""))
+    assert 60 < rate < 100  # smoothed: neither the last interval's 10 tok/s nor the earlier 100
+
+
+def test_a_terminal_line_is_rewritten_in_place_and_lines_go_above_it(clock, capsys):
+    term = Terminal()
+    p = Progress(10, "demo", stream=term)
+    clock.now += 1.0
+    p.update(1)
+    clock.now += 1.0
+    p.update(2)
+    p.write("a table row")
+    p.close()
+    text = term.getvalue()
+    assert text.startswith("\r[##------------------] demo  1/10 steps")
+    assert "\r[####----------------] demo  2/10 steps" in text and "\n" not in text[:-1]
+    assert text.endswith("\n")
+    assert capsys.readouterr().out == "a table row\n"
+
+
+def test_disabled_progress_prints_nothing(clock):
+    out = io.StringIO()
+    p = Progress(10, stream=out, enabled=False)
+    p.update(5, loss=1.0)
+    p.close()
+    assert out.getvalue() == ""
+
+
+def test_watching_polls_a_counter_until_the_block_ends():
+    out = io.StringIO()
+    count = {"n": 0}
+    with Progress(4, "repro x", stream=out, every_s=0).watching(lambda: count["n"], every_s=0.01):
+        for _ in range(4):
+            count["n"] += 1
+            import time
+
+            time.sleep(0.05)
+    lines = out.getvalue().splitlines()
+    assert lines[-1].startswith("repro x  4/4 steps") and len(lines) >= 2
+
+
+NOISY = """
+import os, subprocess, sys
+from difftransformer.inference.evaluate import quiet_third_party
+
+with quiet_third_party():
+    print("[Task: t] metric bits_per_byte is defined, but aggregation is not. using default", file=sys.stderr)
+    subprocess.run(["git", "describe", "--always"], cwd="/", check=False)  # fatal: not a git repository
+    os.write(2, b"Running loglikelihood requests: 100%|####| 1/1 [00:00<00:00, 158.05it/s]\\n")
+    print("a real warning", file=sys.stderr)
+print("done")
+"""
+
+
+def test_third_party_noise_is_filtered_and_real_messages_kept():
+    """In a process of its own: under pytest, sys.stderr does not write to file descriptor 2."""
+    done = subprocess.run([sys.executable, "-c", NOISY], capture_output=True, text=True, check=True)
+    assert done.stderr == "a real warning\n" and done.stdout == "done\n"
+
+
+@pytest.mark.slow
+def test_train_says_what_it_will_do_and_what_it_did(prepared, tmp_path, capsys):
+    from difftransformer.apps.cli import main
+
+    run = tmp_path / "run"
+    flags = ["--max-steps", "4", "--batch-size", "4", "--seq-len", "32", "--eval-interval", "2", "--warmup-steps", "1"]
+    assert main(["train", "--data", str(prepared), "--out", str(run), *flags]) == 0
+    out, err = capsys.readouterr()
+    first, done, after = out.splitlines()
+    assert first.startswith("difftx train: diff model, 1,345,984 parameters (tiny preset); 4 steps of 4 x 32 tokens = ")
+    assert first.endswith(f"training tokens of {prepared}) on cpu; writing to {run}")
+    assert done.startswith(f"difftx train: done: {run} at step 4; training loss ")
+    assert done.endswith(f"checkpoint {run / 'checkpoints' / 'step_00000004'}")
+    assert after.startswith(f"next: difftx generate --run {run} --prompt 'Your text'")
+    assert "train run  4/4 steps  loss " in err and "step 2: validation loss" in err
