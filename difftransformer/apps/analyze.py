@@ -59,7 +59,7 @@ def analyze_attention(run: str | Path, prompt_file: str | Path, out: str | Path,
         raise InputError(f"`layer` {layer} is out of range: the model has {n_layers} layers")
     maps = attention_maps(model, tokens, both=True)[layer]
     figure = _figure(maps, labels, layer % n_layers, model.config.attention)
-    write_atomic(out, lambda tmp: figure.savefig(tmp, dpi=100))
+    write_atomic(out, lambda tmp: figure.savefig(tmp, dpi=110))
     return out
 
 
@@ -70,22 +70,31 @@ def _figure(maps, labels: list[str], layer: int, attention: str):
     heads = maps.mixed.shape[1]
     panels = [("map 1", 0), ("map 2", 1), (f"map 1 - {maps.lam:.2f} map 2", None)] if maps.softmax is not None else []
     cols = len(panels) or 1
-    fig, axes = plt.subplots(heads, cols, figsize=(3.2 * cols, 3.0 * heads), squeeze=False)
+    labelled = len(labels) <= MAX_LABELLED
+    side = max(3.0, 0.17 * len(labels)) if labelled else 3.0  # about 12 points per token label
+    fig, axes = plt.subplots(
+        heads, cols, figsize=(side * cols + 1.2 * cols, side * heads + 0.8), squeeze=False, layout="constrained"
+    )
     for h in range(heads):
         for c in range(cols):
             ax = axes[h][c]
             if panels and panels[c][1] is not None:
                 image = maps.softmax[0, h, panels[c][1]].numpy()
-                ax.imshow(image, cmap="viridis", vmin=0, vmax=float(image.max()))
+                shown = ax.imshow(image, cmap="viridis", vmin=0, vmax=float(image.max()))
             else:
                 image = maps.mixed[0, h].numpy()
                 limit = float(abs(image).max())
-                ax.imshow(image, cmap="RdBu_r" if panels else "viridis", vmin=-limit if panels else 0, vmax=limit)
+                low = -limit if panels else 0
+                shown = ax.imshow(image, cmap="RdBu_r" if panels else "viridis", vmin=low, vmax=limit)
+            fig.colorbar(shown, ax=ax, shrink=0.8, label="attention weight")
             title = panels[c][0] if panels else "softmax map"
-            ax.set_title(f"layer {layer} head {h}: {title}", fontsize=8)
-            if len(labels) <= MAX_LABELLED:
-                ax.set_xticks(range(len(labels)), [repr(t)[1:-1] for t in labels], rotation=90, fontsize=5)
-                ax.set_yticks(range(len(labels)), [repr(t)[1:-1] for t in labels], fontsize=5)
-    fig.suptitle(f"{attention} attention, layer {layer}: rows = queries, columns = keys", fontsize=10)
-    fig.tight_layout()
+            ax.set_title(f"head {h}: {title}", fontsize=10)
+            if labelled:
+                names = [repr(t)[1:-1] for t in labels]
+                ax.set_xticks(range(len(labels)), names, rotation=90, fontsize=8)
+                ax.set_yticks(range(len(labels)), names, fontsize=8)
+            ax.set_xlabel("key", fontsize=9)
+            ax.set_ylabel("query", fontsize=9)
+    what = "the two softmax maps and their difference (red above 0, blue below)" if panels else "the softmax maps"
+    fig.suptitle(f"{attention} attention, layer {layer}: {what}", fontsize=12)
     return fig

@@ -94,7 +94,7 @@ def markdown(summary: dict) -> str:
 
 
 def figure(results: list[dict], path: Path) -> None:
-    from difftransformer.apps.repro.report import pyplot
+    from difftransformer.apps.repro.report import finish, pyplot
 
     plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
@@ -108,8 +108,5 @@ def figure(results: list[dict], path: Path) -> None:
         ax.set_yscale("log")
         ax.set_xlabel("absolute value")
         ax.set_ylabel("share of values per bin (1% of a decade)")
-        ax.set_title(f"{title}: distribution of |x|, pooled over layers", fontsize=10)
-        ax.legend(fontsize=7, loc="lower left")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+        ax.set_title(f"{title}: distribution of |x|", fontsize=10)
+    finish(fig, path, "activation magnitudes, pooled over layers (the tail holds the outliers)")

@@ -228,38 +228,36 @@ def study_context(path: Path = STUDY) -> list[str]:
 
 def write_report(run_dir: Path, rows: dict[str, list[dict]], summary: dict) -> None:
     """report.md, summary.json, loss_curves.png and lambda.png."""
-    from difftransformer.apps.repro.report import pyplot
+    from matplotlib.ticker import MaxNLocator
+
+    from difftransformer.apps.repro.report import finish, pyplot
 
     plt = pyplot()
 
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = plt.subplots(figsize=(7, 4.4))
     for kind, color in zip(KINDS, ("tab:red", "tab:blue"), strict=True):
         ax.plot(
             [r["step"] for r in rows[kind]],
             [r["loss"] for r in rows[kind]],
             color=color,
             alpha=0.4,
-            label=f"{kind} train",
+            label=f"{kind}, training batches",
         )
         evals = [r for r in rows[kind] if "val_loss" in r]
         ax.plot(
-            [r["step"] for r in evals], [r["val_loss"] for r in evals], "o-", color=color, label=f"{kind} validation"
+            [r["step"] for r in evals], [r["val_loss"] for r in evals], "o-", color=color, label=f"{kind}, validation"
         )
-    ax.set(xlabel="step", ylabel="loss (nats per byte token)", title="tiny DIFF vs standard on CPython documentation")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(run_dir / "loss_curves.png", dpi=120)
-    plt.close(fig)
+    ax.set(xlabel="step", ylabel="loss (nats per byte token)")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    finish(fig, run_dir / "loss_curves.png", "tiny DIFF vs standard on CPython's documentation", dpi=120)
 
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = plt.subplots(figsize=(7, 4.4))
     lam = [r["lambda"] for r in rows["diff"]]
     for layer in range(len(lam[0])):
-        ax.plot([r["step"] for r in rows["diff"]], [v[layer] for v in lam], label=f"layer {layer}")
-    ax.set(xlabel="step", ylabel="lambda", title="DIFF: lambda per layer during training")
-    ax.legend(ncol=2)
-    fig.tight_layout()
-    fig.savefig(run_dir / "lambda.png", dpi=120)
-    plt.close(fig)
+        ax.plot([r["step"] for r in rows["diff"]], [v[layer] for v in lam], marker=".", label=f"layer {layer}")
+    ax.set(xlabel="step", ylabel="lambda")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    finish(fig, run_dir / "lambda.png", "DIFF: lambda of each layer during training", dpi=120)
 
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     f, p = summary["final"], summary["parameters"]

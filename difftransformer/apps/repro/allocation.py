@@ -189,10 +189,7 @@ def _plot(result: dict, out: Path) -> None:
         ax.set_xlabel("answer depth")
         ax.set_title(f"{summary}, |map|")
     axes[0].set_ylabel("attention share")
-    axes[0].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out / f"{TASK}_bars.png", dpi=110)
-    plt.close(fig)
+    report.finish(fig, out / f"{TASK}_bars.png", "attention to the answer and to the rest (noise), by answer depth")
 
 
 def _plot_rows(result: dict, found: dict, spec: FitSpec, out: Path) -> None:
@@ -206,7 +203,7 @@ def _plot_rows(result: dict, found: dict, spec: FitSpec, out: Path) -> None:
     marks = (tokens[: seq_len - 3 * r] == MARK).nonzero().flatten().tolist()
     start = int(nb.needle_start[0])
     seed = result["seeds"][0]
-    fig, axes = plt.subplots(2, 1, figsize=(10, 4.5), sharex=True)
+    fig, axes = plt.subplots(2, 1, figsize=(10, 5.2), sharex=True)
     for ax, a in zip(axes, report.PAIR, strict=True):
         layer = next(e["best_head"][0] for e in result["evals"] if e["attention"] == a and e["seed"] == seed)
         maps = attention_maps(load_run(found[(a, seed)])[0], nb.tokens)[layer].mixed[0]  # (H, T, T)
@@ -217,9 +214,7 @@ def _plot_rows(result: dict, found: dict, spec: FitSpec, out: Path) -> None:
             ax.axvspan(m - 0.5, m + 2.5, color="gold" if queried else "0.85", alpha=0.5, lw=0,
                        label="queried needle" if queried else None)  # fmt: skip
         ax.axhline(0, color="k", lw=0.5)
-        ax.set_title(f"{report.NAMES[a]} seed {seed}, layer {layer}: the answering position's attention", fontsize=9)
-    axes[0].legend(fontsize=6, ncol=5)
+        ax.set_title(f"{report.NAMES[a]} seed {seed}, layer {layer}", fontsize=10)
+        ax.set_ylabel("attention weight")
     axes[1].set_xlabel("position (grey: the other needles)")
-    fig.tight_layout()
-    fig.savefig(out / f"{TASK}_rows.png", dpi=110)
-    plt.close(fig)
+    report.finish(fig, out / f"{TASK}_rows.png", "the answering position's attention over the context, every head")

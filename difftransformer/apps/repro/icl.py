@@ -179,7 +179,8 @@ def run(
     )
     write_json(out / "results.json", result)
     _plot(result, out)
-    report.plot_curves(result["runs"], out / f"{TASK}_curves.png", f"accuracy, C={CURVE_CLASSES}")
+    curves = out / f"{TASK}_curves.png"
+    report.plot_curves(result["runs"], curves, f"accuracy, C={CURVE_CLASSES}", "in-context learning")
     (out / "section.md").write_text(markdown(result))
     return result
 
@@ -289,10 +290,10 @@ def _plot(result: dict, out: Path) -> None:
             ax.errorbar(opts["eval_shots"], means, yerr=errs, color=report.COLORS[a], label=report.NAMES[a], capsize=3)
         ax.axhline(1 / c, color="gray", ls=":", lw=1, label="chance")
         ax.set_xscale("log", base=2)
+        ax.set_xticks(opts["eval_shots"], [str(n) for n in opts["eval_shots"]])
+        ax.minorticks_off()
         ax.set_xlabel("demonstrations")
         ax.set_title(f"{c} classes")
     axes[0].set_ylabel("query accuracy")
-    axes[0].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out / f"{TASK}_shots.png", dpi=110)
-    plt.close(fig)
+    title = "in-context learning: accuracy against demonstrations (mean and sd over seeds)"
+    report.finish(fig, out / f"{TASK}_shots.png", title)

@@ -425,17 +425,17 @@ def _plot_scaling(result: dict, scale: Scale, out: Path) -> None:
             axes[0].plot(grid, [fit[a]["a"] * x ** -fit[a]["b"] for x in grid], style, color=report.COLORS[a],
                          label=f"{LABELS[a]}, {steps} steps")  # fmt: skip
     axes[0].set(xscale="log", xlabel="non-embedding parameters", ylabel="validation loss (nats/token)")
-    axes[0].legend(fontsize=7)
+    axes[0].set_title("loss against size (lines: power-law fits)", fontsize=10)
+    report.readable_log_axis(axes[0])
     for size, marker in zip(scale.sizes, "osd", strict=False):
         for a in PAIR:
             pts = sorted((p["tokens"], p["loss"]) for p in result["grid"]
                          if p["size"] == size and p["variant"] == a and p["seed"] == 0)  # fmt: skip
             axes[1].plot(*zip(*pts, strict=True), marker + "-", color=report.COLORS[a], label=f"{LABELS[a]} {size}")
     axes[1].set(xscale="log", xlabel="training tokens", ylabel="validation loss")
-    axes[1].legend(fontsize=6, ncol=2)
-    fig.tight_layout()
-    fig.savefig(out / "lm_scaling.png", dpi=110)
-    plt.close(fig)
+    axes[1].set_title("loss against tokens, by size", fontsize=10)
+    report.readable_log_axis(axes[1])
+    report.finish(fig, out / "lm_scaling.png", "language modeling: DIFF vs standard (seed 0)")
 
 
 def _plot_positions(result: dict, out: Path) -> None:
@@ -450,7 +450,6 @@ def _plot_positions(result: dict, out: Path) -> None:
             xs = [b * j + b / 2 for j in range(len(curve))]
             axes[0].plot(xs, curve, color=report.COLORS[a], alpha=0.7, lw=1, label=LABELS[a] if i == 0 else None)
     axes[0].set(xlabel="position in the document", ylabel="loss (nats/token)", title="per-position loss, each seed")
-    axes[0].legend(fontsize=7)
     n = len(pp["difference"][0])
     xs = [b * j + b / 2 for j in range(n)]
     for curve in pp["difference"]:
@@ -458,9 +457,7 @@ def _plot_positions(result: dict, out: Path) -> None:
     axes[1].plot(xs, [report.mean([d[j] for d in pp["difference"]]) for j in range(n)], color="k", lw=1.5)
     axes[1].axhline(0, color="tab:red", lw=0.8)
     axes[1].set(xlabel="position in the document", ylabel="DIFF - standard", title="difference (grey: seeds)")
-    fig.tight_layout()
-    fig.savefig(out / "lm_positions.png", dpi=110)
-    plt.close(fig)
+    report.finish(fig, out / "lm_positions.png", "loss at each position of long documents")
 
 
 def _plot_sweep(result: dict, out: Path) -> None:
@@ -470,14 +467,11 @@ def _plot_sweep(result: dict, out: Path) -> None:
         pts = sorted((r["lr"], r["loss"]) for r in result["sweep"] if r["variant"] == a)
         if pts:
             ax.plot(*zip(*pts, strict=True), "o-", color=report.COLORS[a], label=LABELS[a])
-    ax.set(xscale="log", xlabel="peak learning rate", ylabel="validation loss", title="learning-rate sweep")
+    ax.set(xscale="log", xlabel="peak learning rate", ylabel="validation loss")
     lrs = sorted({r["lr"] for r in result["sweep"]})
     ax.set_xticks(lrs, [f"{x:g}" for x in lrs])
     ax.minorticks_off()
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out / "lm_sweep.png", dpi=110)
-    plt.close(fig)
+    report.finish(fig, out / "lm_sweep.png", "validation loss against the peak learning rate")
 
 
 def export(study: Path, dest: Path, scale: Scale, seeds: list[int]) -> dict:

@@ -330,7 +330,6 @@ def _plots(result: dict, out: Path) -> None:
         for i, row in enumerate(grid):
             for j, x in enumerate(row):
                 ax.text(j, i, f"{x:.2f}", ha="center", va="center", color="w" if x < 0.6 else "k", fontsize=8)
-    fig.colorbar(im, ax=axes)
-    fig.savefig(out / f"{TASK}_depth_length.png", dpi=110)
-    plt.close(fig)
-    report.plot_curves(result["runs"], out / f"{TASK}_curves.png", "accuracy, N=4 R=2")
+    fig.colorbar(im, ax=axes, label="accuracy (mean over seeds)")
+    report.finish(fig, out / f"{TASK}_depth_length.png", "needle retrieval accuracy by context length and depth")
+    report.plot_curves(result["runs"], out / f"{TASK}_curves.png", "accuracy, N=4 R=2", "needle retrieval")

@@ -260,9 +260,9 @@ def markdown(result: dict) -> str:
 
 
 def _figures(result: dict, out: Path) -> None:
-    from difftransformer.apps.repro.report import pyplot
+    from difftransformer.apps.repro import report
 
-    plt = pyplot()
+    plt = report.pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
     colours = {"diff": "tab:blue", "standard": "tab:orange"}
     for row in result["pairs"]:
@@ -277,11 +277,8 @@ def _figures(result: dict, out: Path) -> None:
     axes[0].invert_xaxis()
     axes[0].set_title("loss against logit bits, every pair", fontsize=10)
     axes[1].set_xscale("log")
+    report.readable_log_axis(axes[1])
     axes[1].set_xlabel("largest |attention logit| (top-1)")
     axes[1].set_ylabel("loss increase at 4-bit logits")
     axes[1].set_title("outliers against the 4-bit loss", fontsize=10)
-    for ax in axes:
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out / "quant_bits.png", dpi=110)
-    plt.close(fig)
+    report.finish(fig, out / "quant_bits.png", "quantized attention logits: the loss they cost, DIFF vs standard")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import statistics
 from pathlib import Path
 
@@ -72,24 +73,60 @@ def pyplot():
     return plt
 
 
-def plot_curves(runs: list[dict], path: Path, ylabel: str) -> None:
+def finish(fig, path: Path, title: str, dpi: int = 110) -> None:
+    """Give ``fig`` its title and one legend below the axes (so that it hides no data: one entry per label, from
+    every axes), lay it out, write it to ``path`` and close it. The figures of the demo, the experiments and the
+    analyses all end here."""
+    handles: dict[str, object] = {}
+    for ax in fig.axes:
+        if ax.get_legend() is not None:
+            ax.get_legend().remove()
+        for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
+            if not label.startswith("_"):
+                handles.setdefault(label, handle)
+    fig.set_layout_engine("constrained")
+    fig.suptitle(title, fontsize=12)
+    if handles:
+        ncol = len(handles) if len(handles) <= 6 else min(5, math.ceil(len(handles) / 2))
+        fig.legend(handles.values(), handles.keys(), loc="outside lower center", ncol=ncol, fontsize=9, frameon=False)
+    for ax in fig.axes:
+        ax.tick_params(labelsize=9)
+    fig.savefig(path, dpi=dpi)
+    pyplot().close(fig)
+
+
+def readable_log_axis(ax, axis: str = "x") -> None:
+    """Ticks of a log axis at 1, 2 and 5 per decade, labelled 200k, 1M (no overlapping minor labels)."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    def short(value: float, _pos) -> str:
+        for size, unit in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+            if value >= size:
+                return f"{value / size:g}{unit}"
+        return f"{value:g}"
+
+    target = ax.xaxis if axis == "x" else ax.yaxis
+    target.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    target.set_major_formatter(FuncFormatter(short))
+    target.set_minor_formatter(NullFormatter())
+
+
+def plot_curves(runs: list[dict], path: Path, ylabel: str, task: str) -> None:
     """The measure against steps and against training seconds: thin line per seed, both models."""
     plt = pyplot()
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3.2), sharey=True)
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.6), sharey=True)
     for run in runs:
         steps = [c["step"] for c in run["curve"]]
         secs = [c["seconds"] for c in run["curve"]]
         acc = [c["accuracy"] for c in run["curve"]]
-        label = f"{NAMES[run['attention']]} seed {run['seed']}"
+        n = sum(r["attention"] == run["attention"] for r in runs)
+        label = f"{NAMES[run['attention']]} ({n} seed{'s' if n > 1 else ''}, one line each)"
         axes[0].plot(steps, acc, color=COLORS[run["attention"]], alpha=0.8, lw=1, label=label)
         axes[1].plot(secs, acc, color=COLORS[run["attention"]], alpha=0.8, lw=1)
     axes[0].set_xlabel("step")
     axes[1].set_xlabel("training seconds (one thread)")
     axes[0].set_ylabel(ylabel)
-    axes[0].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    finish(fig, path, f"{task}: {ylabel} during training, DIFF vs standard")
 
 
 def logit_bits_note(spec: dict) -> list[str]:
