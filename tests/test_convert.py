@@ -27,9 +27,12 @@ def small_run(prepared, out, attention):
 
 
 @pytest.mark.parametrize("attention, arch", [("diff", "DiffLlamaForCausalLM"), ("standard", "LlamaForCausalLM")])
-def test_run_to_hf_loads_in_plain_transformers_and_generates_the_same(prepared, tmp_path, attention, arch):
+def test_run_to_hf_loads_in_plain_transformers_and_generates_the_same(prepared, tmp_path, attention, arch, capsys):
     run = small_run(prepared, tmp_path / "run", attention)
     assert main(["convert", "--run", str(run), "--to", "hf", "--out", str(tmp_path / "hf")]) == 0
+    said = capsys.readouterr().out
+    load = "load it with transformers.AutoModelForCausalLM.from_pretrained"
+    assert said == f"{run} -> {tmp_path / 'hf'}: a {arch} directory; {load}\n"
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")  # no custom code
     hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
     assert type(hf_model).__name__ == arch
@@ -43,7 +46,11 @@ def test_run_to_hf_loads_in_plain_transformers_and_generates_the_same(prepared, 
     assert hf_out[0, ids.shape[1] :].tolist() == generate(ours, tok.encode(prompt), 20, temperature=0)
 
     assert main(["convert", "--from-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "back")]) == 0
-    back, back_tok = load_run(tmp_path / "back")
+    back_dir = tmp_path / "back"
+    said = capsys.readouterr().out
+    sample = f"sample with: difftx generate --run {back_dir} --prompt 'Your text'"
+    assert said == f"{tmp_path / 'hf'} -> {back_dir}: a run directory; {sample}\n"
+    back, back_tok = load_run(back_dir)
     assert back.config.attention == attention and back_tok.encode(prompt) == tok.encode(prompt)
     with torch.no_grad():
         assert (back(ids) - ours(ids)).abs().max().item() < 1e-4

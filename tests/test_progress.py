@@ -137,3 +137,29 @@ def test_train_says_what_it_will_do_and_what_it_did(prepared, tmp_path, capsys):
     assert done.endswith(f"checkpoint {run / 'checkpoints' / 'step_00000004'}")
     assert after.startswith(f"next: difftx generate --run {run} --prompt 'Your text'")
     assert "train run  4/4 steps  loss " in err and "step 2: validation loss" in err
+
+
+def test_a_study_reads_each_runs_progress_from_its_metrics(tmp_path):
+    from difftransformer.apps.repro.lm import _trained_steps
+
+    assert _trained_steps(tmp_path / "missing") == 0
+    (tmp_path / "metrics.jsonl").write_text("".join(f'{{"step": {s}, "loss": 1.0}}\n' for s in (10, 20, 30)))
+    assert _trained_steps(tmp_path) == 30
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 40, "lo')  # a row being written
+    assert _trained_steps(tmp_path) == 30
+
+
+@pytest.mark.slow
+def test_each_benchmark_counts_exactly_the_timed_calls_it_plans(capsys):
+    import re
+
+    from difftransformer.apps import bench
+
+    bench.bench_attention([16, 32], dim=32, heads=4, repeats=2, plain_max_seq=16)
+    bench.bench_train("tiny", [16], batch=1, repeats=1)
+    bench.bench_decode([8], "tiny", tokens=2, repeats=2)
+    err = capsys.readouterr().err
+    for what in ("attention", "train", "decode"):
+        done, total = re.findall(rf"^bench {what}  (\d+)/(\d+) timed calls", err, re.M)[-1]
+        assert done == total, f"bench {what}: the line ends at {done}/{total}"

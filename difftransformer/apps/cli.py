@@ -247,6 +247,7 @@ def _convert(args: argparse.Namespace) -> int:
     from transformers.utils import logging
 
     from difftransformer.errors import InputError
+    from difftransformer.fsutil import read_json_object
     from difftransformer.interop.convert import hf_to_run, run_to_hf
 
     logging.disable_progress_bar()  # one line per conversion, not transformers' loading bars
@@ -255,10 +256,15 @@ def _convert(args: argparse.Namespace) -> int:
         raise InputError("give either --run RUN --to hf, or --from-hf DIR")
     if args.run:
         out = run_to_hf(args.run, args.out)
-        print(f"{args.run} -> {out} (Hugging Face save_pretrained directory)")
+        arch = read_json_object(out / "config.json")["architectures"][0]
+        print(
+            f"{args.run} -> {out}: a {arch} directory; load it with transformers.AutoModelForCausalLM.from_pretrained"
+        )
     else:
         out = hf_to_run(args.from_hf, args.out, attention=args.attention)
-        print(f"{args.from_hf} -> {out} (run directory)")
+        print(
+            f"{args.from_hf} -> {out}: a run directory; sample with: difftx generate --run {out} --prompt 'Your text'"
+        )
     return 0
 
 
@@ -426,7 +432,7 @@ def _train_command(sub) -> None:
         + ", ".join("--" + name.replace("_", "-") for name in RESUMABLE),
     )
     _config_flags(tr, TrainConfig, skip=("betas",), defaults={"out": "runs/<attention>-<preset>"})
-    tr.add_argument("--quiet", action="store_true", help="no progress bar")
+    tr.add_argument("--quiet", action="store_true", help="no live progress line (the summaries still print)")
 
 
 def _generate_command(sub) -> None:

@@ -298,14 +298,19 @@ def execute(runs: list[Run], scale: Scale, out: Path, data: Path, workers: int) 
 
 
 def _trained_steps(run_dir: Path) -> int:
-    """The last step a run logged in its metrics.jsonl (0 before its first row)."""
+    """The last step a run logged in its metrics.jsonl (0 before its first row; a row being written is skipped)."""
     try:
         with open(run_dir / METRICS, "rb") as f:
             f.seek(max(0, f.seek(0, os.SEEK_END) - 4096))
             tail = f.read().splitlines()
-        return int(json.loads(tail[-1])["step"]) if tail else 0
-    except (OSError, ValueError, KeyError):
+    except OSError:
         return 0
+    for line in reversed(tail):
+        try:
+            return int(json.loads(line)["step"])
+        except (ValueError, KeyError, TypeError):
+            continue
+    return 0
 
 
 def _run_processes(jobs: list[tuple], workers: int, out: Path, progress: Progress) -> None:
