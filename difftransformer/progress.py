@@ -51,6 +51,7 @@ class Progress:
         self._last_done, self._last_tokens = 0, 0
         self._rate = self._token_rate = None  # units/s and tokens/s, smoothed
         self._shown_at, self._shown_done, self._width, self._line = -math.inf, -1, 0, ""
+        self._lock = threading.Lock()  # watching() updates from a thread while the caller may write()
 
     def begin(self, done: int = 0, tokens: int = 0) -> None:
         """Restart the clock at ``done`` units (a resumed run counts its speed from here)."""
@@ -60,6 +61,10 @@ class Progress:
     def update(self, done: int, tokens: int | None = None, loss: float | None = None, note: str = "") -> None:
         if not self.enabled:
             return
+        with self._lock:
+            self._update(done, tokens, loss, note)
+
+    def _update(self, done: int, tokens: int | None, loss: float | None, note: str) -> None:
         now = time.monotonic()
         dt = now - self._last_t
         if dt > 0 and done > self._last_done:
@@ -102,12 +107,14 @@ class Progress:
 
     def write(self, line: str, stream=None) -> None:
         """Print ``line`` (to stdout by default) above the live line, which is drawn again under it."""
-        if self.enabled and self.tty and self._width:
-            self.stream.write("\r" + " " * self._width + "\r")
-            self.stream.flush()
-        print(line, file=sys.stdout if stream is None else stream, flush=True)
-        if self.enabled and self.tty and self._width:
-            self._show()
+        with self._lock:
+            live = self.enabled and self.tty and self._width
+            if live:
+                self.stream.write("\r" + " " * self._width + "\r")
+                self.stream.flush()
+            print(line, file=sys.stdout if stream is None else stream, flush=True)
+            if live:
+                self._show()
 
     @contextmanager
     def watching(self, count: Callable[[], int], every_s: float = 1.0) -> Iterator[Progress]:
@@ -130,7 +137,8 @@ class Progress:
             self.close()
 
     def close(self) -> None:
-        if self.enabled and self.tty and self._width:
-            self.stream.write("\n")
-            self.stream.flush()
-            self._width = 0
+        with self._lock:
+            if self.enabled and self.tty and self._width:
+                self.stream.write("\n")
+                self.stream.flush()
+                self._width = 0
