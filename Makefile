@@ -20,7 +20,7 @@ $(STAMP): requirements-dev.txt pyproject.toml
 	$(BIN)/python -m pip install --quiet --no-deps --no-build-isolation -e .
 	$(BIN)/python -c 'from difftransformer.core.attention import cpu_kernel; print(cpu_kernel.build())'
 	touch $(STAMP)
-	@echo "$(VENV) is ready. The difftx command is $(BIN)/difftx: run 'source $(BIN)/activate' (or 'make shell') to put it on PATH"
+	@echo "$(VENV) is ready."; $(HINT)
 
 # a shell with the environment active (difftx and python on PATH); exit returns
 shell: $(STAMP)
@@ -31,12 +31,16 @@ shell: $(STAMP)
 docs: $(STAMP)
 	$(BIN)/mkdocs build --strict --site-dir site
 
+HINT := echo "difftx is $(BIN)/difftx: 'source $(BIN)/activate' (or 'make shell') puts it on PATH; then difftx --help"
+
 demo: $(STAMP)
 	$(BIN)/difftx demo
+	@$(HINT)
 
 # DIFFTX_REQUIRE_OPTIONAL=1: the pinned environment has every optional dependency, so none of their tests may skip
 test: $(STAMP) lint
 	DIFFTX_REQUIRE_OPTIONAL=1 $(BIN)/python -m pytest -q
+	@$(HINT)
 
 # the fast tier (under a minute): every test not marked slow
 test-quick: $(STAMP)

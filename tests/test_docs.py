@@ -55,4 +55,14 @@ def test_readme_says_where_difftx_is():
     readme = (ROOT / "README.md").read_text()  # (that it starts with the two commands: test_cli.py)
     assert "source .venv/bin/activate" in readme and "make shell" in readme
     makefile = (ROOT / "Makefile").read_text()
-    assert "\nshell:" in makefile and "\ndocs:" in makefile
+    assert "\ndocs:" in makefile
+
+
+@pytest.mark.slow
+def test_make_shell_puts_difftx_on_path():
+    env = {**os.environ, "SHELL": "/bin/bash", "MAKEFLAGS": ""}
+    done = subprocess.run(
+        ["make", "-s", "shell"], input="command -v difftx\n", cwd=ROOT, env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == str(ROOT / ".venv" / "bin" / "difftx")
