@@ -165,6 +165,30 @@ def test_the_build_directory_changes_with_the_cpu_and_the_cache_setting(monkeypa
     assert cpu_kernel.build_directory() != here
 
 
+def test_builds_compile_a_copy_of_the_source_inside_the_keyed_directory(monkeypatch, tmp_path):
+    """ninja records the source's path: compiling a copy kept in the content-keyed directory lets two checkouts (or a
+    checkout and an installed wheel) of the same source share one build instead of rebuilding each other's."""
+    import os
+
+    from torch.utils import cpp_extension
+
+    compiled = []
+    monkeypatch.setattr(cpu_kernel, "_state", {})
+    monkeypatch.setattr(cpp_extension, "load", lambda **kwargs: compiled.append(kwargs["sources"]))
+    monkeypatch.setenv("DIFFTX_CACHE", str(tmp_path))
+    assert cpu_kernel._load()
+    directory = cpu_kernel.build_directory()
+    copy = directory / cpu_kernel.SOURCE.name
+    assert compiled == [[str(copy)]] and copy.read_bytes() == cpu_kernel.SOURCE.read_bytes()
+    os.utime(copy, (1, 1))
+    other = tmp_path / "other-checkout" / cpu_kernel.SOURCE.name  # the same source elsewhere
+    other.parent.mkdir()
+    other.write_bytes(cpu_kernel.SOURCE.read_bytes())
+    monkeypatch.setattr(cpu_kernel, "SOURCE", other)
+    assert cpu_kernel._load() and cpu_kernel.build_directory() == directory
+    assert compiled[-1] == [str(copy)] and copy.stat().st_mtime == 1  # same path, untouched: nothing to rebuild
+
+
 def test_prefill_through_the_cache_equals_a_full_forward(kernel):
     """A 70-token prefill into a cache (the kernel with the cache's mask) and decode steps, against the plain path."""
     torch.manual_seed(0)

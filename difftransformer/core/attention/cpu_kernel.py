@@ -78,7 +78,7 @@ def _load() -> bool:
         directory.mkdir(parents=True, exist_ok=True)
         cpp_extension.load(
             name="difftx_diff_block",
-            sources=[str(SOURCE)],
+            sources=[str(_source_copy(directory))],
             extra_cflags=_flags(),
             build_directory=str(directory),
             is_python_module=False,
@@ -95,6 +95,19 @@ def _load() -> bool:
         )
         return False
     return True
+
+
+def _source_copy(directory: Path) -> Path:
+    """The kernel's source, copied into its build directory, which is keyed by the source's content: ninja records
+    the source's path, so compiling the package's own file would rebuild whenever another checkout or installed copy
+    of the same source used the directory last."""
+    copy = directory / SOURCE.name
+    text = SOURCE.read_bytes()
+    if not copy.is_file() or copy.read_bytes() != text:
+        tmp = directory / f".{SOURCE.name}.{os.getpid()}.tmp"
+        tmp.write_bytes(text)
+        os.replace(tmp, copy)  # concurrent first builds write the same bytes; each rename is whole
+    return copy
 
 
 def _put_ninja_on_path() -> None:
