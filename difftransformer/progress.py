@@ -117,14 +117,16 @@ class Progress:
                 self._show()
 
     @contextmanager
-    def watching(self, count: Callable[[], int], every_s: float = 1.0) -> Iterator[Progress]:
+    def watching(self, count: Callable[[], int], every_s: float = 1.0, after: str = "") -> Iterator[Progress]:
         """Poll ``count()`` (units done, e.g. steps of worker processes) from a thread every ``every_s`` seconds and
-        show it, until the block ends; then show the last count and close the line."""
+        show it, until the block ends; then show the last count and close the line. ``after`` is shown once the
+        count is complete while the block still works (e.g. "evaluating")."""
         stop = threading.Event()
 
         def poll() -> None:
             while not stop.wait(every_s):
-                self.update(count())
+                done = count()
+                self.update(done, note=after if done >= self.total else "")
 
         thread = threading.Thread(target=poll, daemon=True)
         thread.start()

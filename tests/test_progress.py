@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -93,14 +94,15 @@ def test_disabled_progress_prints_nothing(clock):
 def test_watching_polls_a_counter_until_the_block_ends():
     out = io.StringIO()
     count = {"n": 0}
-    with Progress(4, "repro x", stream=out, every_s=0).watching(lambda: count["n"], every_s=0.01):
+    with Progress(4, "repro x", stream=out, every_s=0).watching(lambda: count["n"], every_s=0.01, after="evaluating"):
         for _ in range(4):
             count["n"] += 1
-            import time
-
             time.sleep(0.05)
+        time.sleep(0.1)  # the count is complete, the block still works
     lines = out.getvalue().splitlines()
-    assert lines[-1].startswith("repro x  4/4 steps") and len(lines) >= 2
+    assert lines[0].startswith("repro x  ") and lines[-1].startswith("repro x  4/4 steps")
+    noted = [line for line in lines if "evaluating" in line]
+    assert noted and all("4/4 steps" in line for line in noted) and "evaluating" not in lines[-1]
 
 
 NOISY = """

@@ -170,7 +170,7 @@ def run_pairs(job: Callable[[str, int], dict], seeds: list[int], workers: int, s
     progress = Progress(len(tasks) * steps, f"repro {label}: {len(tasks)} models, {min(workers, len(tasks))} at a time")
     _count_steps(counter)
     try:
-        with progress.watching(lambda: counter.value):
+        with progress.watching(lambda: counter.value, after="training done; evaluating the models"):
             if workers <= 1:
                 return [job(a, s) for a, s in tasks]
             with ProcessPoolExecutor(workers, ctx, initializer=_count_steps, initargs=(counter,)) as pool:

@@ -289,7 +289,7 @@ def execute(runs: list[Run], scale: Scale, out: Path, data: Path, workers: int) 
     dirs = [out / "runs" / r.name for r in todo]
     progress = Progress(sum(r.steps for r in todo), f"repro lm: {len(todo)} runs")
     progress.begin(sum(map(_trained_steps, dirs)))
-    with progress.watching(lambda: sum(map(_trained_steps, dirs)), every_s=2.0):
+    with progress.watching(lambda: sum(map(_trained_steps, dirs)), every_s=2.0, after="measuring the last runs"):
         if workers <= 1:
             for job in jobs:
                 _report(_train_and_measure(*job), progress)
