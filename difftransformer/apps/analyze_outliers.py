@@ -17,6 +17,7 @@ from difftransformer.apps.outliers import measure
 from difftransformer.errors import InputError
 from difftransformer.fsutil import check_new_dir, write_new_dir, write_text_atomic
 from difftransformer.inference.magnitudes import EDGES, TOPS
+from difftransformer.progress import Progress
 from difftransformer.training.runs import load_run, run_windows
 
 PAPER_TOKENS = 400_000
@@ -49,7 +50,8 @@ def analyze_outliers(
     for run in runs:
         model, tokenizer = load_run(run)
         windows, _ = run_windows(run, tokenizer, "val", tokens=tokens, data=data)
-        recorder = measure(model.float(), windows[:, :-1], batch)
+        live = Progress(len(windows), f"outliers of {Path(run).name}", unit="windows")
+        recorder = measure(model.float(), windows[:, :-1], batch, progress=live)
         results.append(
             {
                 "run": str(run),

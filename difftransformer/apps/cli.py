@@ -271,7 +271,7 @@ def _convert(args: argparse.Namespace) -> int:
 def _quantize(args: argparse.Namespace) -> int:
     from difftransformer.inference.quantize import quantize_run
 
-    spec = quantize_run(args.run, args.scheme, args.out, args.calib_samples, args.calibrator, args.data)
+    spec = quantize_run(args.run, args.scheme, args.out, args.calib_samples, args.calibrator, args.data, progress=True)
     calibrated = ""
     if "calibration_windows" in spec:
         calibrated = f", inputs calibrated ({spec['calibrator']}) on {spec['calibration_windows']} training windows"

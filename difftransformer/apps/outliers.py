@@ -22,6 +22,7 @@ import torch
 from difftransformer.core.attention.logits import logit_probe
 from difftransformer.core.model import TransformerLM
 from difftransformer.inference.magnitudes import MagnitudeStats
+from difftransformer.progress import Progress
 
 
 class OutlierRecorder:
@@ -93,8 +94,11 @@ class OutlierRecorder:
 
 
 @torch.no_grad()
-def measure(model: TransformerLM, windows: torch.Tensor, batch: int = 4) -> OutlierRecorder:
-    """Run ``model`` (eval mode, float32) over ``windows`` (N, T) and return the filled recorder."""
+def measure(
+    model: TransformerLM, windows: torch.Tensor, batch: int = 4, progress: Progress | None = None
+) -> OutlierRecorder:
+    """Run ``model`` (eval mode, float32) over ``windows`` (N, T) and return the filled recorder (``progress``: a
+    live line counting the windows)."""
     recorder = OutlierRecorder(model)
     was_training = model.training
     model.eval()
@@ -102,6 +106,11 @@ def measure(model: TransformerLM, windows: torch.Tensor, batch: int = 4) -> Outl
         with recorder.recording():
             for i in range(0, len(windows), batch):
                 model(windows[i : i + batch])
+                if progress is not None:
+                    done = min(i + batch, len(windows))
+                    progress.update(done, tokens=done * windows.shape[1])
     finally:
         model.train(was_training)
+        if progress is not None:
+            progress.close()
     return recorder

@@ -21,6 +21,7 @@ from difftransformer.core.quantized import SCHEMES, levels, replace_linears, tar
 from difftransformer.errors import InputError
 from difftransformer.fsutil import check_new_dir, write_new_dir, write_text_atomic
 from difftransformer.inference.magnitudes import MagnitudeStats
+from difftransformer.progress import Progress
 from difftransformer.training.checkpoint import list_checkpoints, save_checkpoint
 from difftransformer.training.runs import MODEL_CONFIG, QUANTIZATION, load_run, read_quantization, run_windows
 
@@ -36,8 +37,11 @@ CALIB_SAMPLES = 300
 
 
 @torch.no_grad()
-def calibrate(model: nn.Module, windows: torch.Tensor, calibrator: str, batch: int = 4) -> dict[str, float]:
-    """Static input scales (range / 127) of every target linear layer, from ``model``'s forward over ``windows``."""
+def calibrate(
+    model: nn.Module, windows: torch.Tensor, calibrator: str, batch: int = 4, progress: Progress | None = None
+) -> dict[str, float]:
+    """Static input scales (range / 127) of every target linear layer, from ``model``'s forward over ``windows``
+    (``progress``: a live line counting the windows)."""
     if calibrator not in CALIBRATORS:
         raise InputError(f"unknown calibrator {calibrator!r}; choose one of {CALIBRATORS}")
     stats = {name: MagnitudeStats() for name in target_linears(model)}
@@ -49,9 +53,13 @@ def calibrate(model: nn.Module, windows: torch.Tensor, calibrator: str, batch: i
         model.eval()
         for i in range(0, len(windows), batch):
             model(windows[i : i + batch])
+            if progress is not None:
+                progress.update(min(i + batch, len(windows)), tokens=min(i + batch, len(windows)) * windows.shape[1])
     finally:
         for handle in handles:
             handle.remove()
+        if progress is not None:
+            progress.close()
     scales = {}
     for name, s in stats.items():
         bound = float(s.top[0]) if calibrator == "absmax" else s.quantile(PERCENTILE, upper=True)
@@ -70,8 +78,10 @@ def quantize_run(
     calib_samples: int = CALIB_SAMPLES,
     calibrator: str = "absmax",
     data: str | Path | None = None,
+    progress: bool = False,
 ) -> dict:
-    """Write the quantized run ``out`` and return its quantization.json contents."""
+    """Write the quantized run ``out`` and return its quantization.json contents (``progress``: a live line while
+    w8a8 calibrates)."""
     run, out = Path(run), Path(out)
     if scheme not in SCHEMES:
         raise InputError(f"unknown scheme {scheme!r}; choose one of {', '.join(SCHEMES)}")
@@ -101,7 +111,8 @@ def quantize_run(
         except (InputError, OSError) as err:
             kind = InputError if isinstance(err, InputError) else FileNotFoundError
             raise kind(f"w8a8 calibrates on the run's training data: {err}") from None
-        scales = calibrate(model, windows[:, :-1], calibrator)
+        live = Progress(len(windows), "calibrating", unit="windows") if progress else None
+        scales = calibrate(model, windows[:, :-1], calibrator, progress=live)
         spec.update(
             calibrator=calibrator,
             calibration_data=str(data_dir),
