@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -66,3 +67,21 @@ def test_make_shell_puts_difftx_on_path():
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines()[-1] == str(ROOT / ".venv" / "bin" / "difftx")
+
+
+@pytest.mark.slow
+def test_the_site_builds_and_a_broken_link_fails_the_build(tmp_path):
+    """What make docs runs, on this checkout and on a copy with one broken link (warnings are errors)."""
+    mkdocs = Path(sys.executable).parent / "mkdocs"
+    cmd = [mkdocs, "build", "--strict", "--site-dir"]
+    built = subprocess.run([*cmd, tmp_path / "site"], cwd=ROOT, capture_output=True)
+    assert built.returncode == 0, built.stderr.decode()[-2000:]
+    assert (tmp_path / "site" / "tutorials" / "convert-your-llama" / "index.html").is_file()
+    copy = tmp_path / "copy"
+    shutil.copytree(ROOT / "docs", copy / "docs")
+    shutil.copy(ROOT / "mkdocs.yml", copy)
+    (copy / "difftransformer").symlink_to(ROOT / "difftransformer")  # the API reference reads the package
+    page = copy / "docs" / "index.md"
+    page.write_text(page.read_text() + "\nSee [a page that is not there](missing.md).\n")
+    broken = subprocess.run([*cmd, tmp_path / "s2"], cwd=copy, capture_output=True)
+    assert broken.returncode != 0 and b"missing.md" in broken.stderr
