@@ -85,3 +85,17 @@ def test_the_site_builds_and_a_broken_link_fails_the_build(tmp_path):
     page.write_text(page.read_text() + "\nSee [a page that is not there](missing.md).\n")
     broken = subprocess.run([*cmd, tmp_path / "s2"], cwd=copy, capture_output=True)
     assert broken.returncode != 0 and b"missing.md" in broken.stderr
+
+
+def test_gitignore_covers_every_output_the_readme_commands_write():
+    if not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout (an unpacked sdist): nothing to ignore")
+    readme = (ROOT / "README.md").read_text()
+    written = set(re.findall(r"--(?:out|json) (\S+)", readme))
+    written |= {"runs/demo/report.md", "data/pydocs/manifest.json", "runs/diff-tiny/metrics.jsonl"}  # defaults
+    written |= {"site/index.html", "dist/difftransformer-0.1.0.tar.gz", ".venv/bin/difftx"}  # make docs, build
+    assert len(written) > 20
+    # a directory's pattern (reports/) matches a path only as a directory: name a file inside the ones without suffix
+    paths = sorted(p if Path(p).suffix else p.rstrip("/") + "/file" for p in written)
+    done = subprocess.run(["git", "check-ignore", "--no-index", *paths], cwd=ROOT, capture_output=True, text=True)
+    assert sorted(done.stdout.split()) == paths, f"not ignored: {sorted(set(paths) - set(done.stdout.split()))}"
