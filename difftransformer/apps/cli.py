@@ -315,6 +315,13 @@ def _eval(args: argparse.Namespace) -> int:
         }
         result.setdefault("lm_eval", "skipped: the Hugging Face export cannot quantize attention logits")
     print(json.dumps(result, indent=2))
+    theirs = result["lm_eval"]["bits_per_byte"] if isinstance(result["lm_eval"], dict) else None
+    print(
+        f"difftx eval: {len(texts)} texts; bits per byte (lower is better): ours {result['ours']['bits_per_byte']:.4f}"
+        + (f", lm-eval {theirs:.4f} (the same measure through transformers)" if theirs is not None else "")
+        + (f", ours with {quantizer.bits}-bit attention logits {quantized:.4f}" if quantizer is not None else ""),
+        file=sys.stderr,
+    )
     return 0
 
 

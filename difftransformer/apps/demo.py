@@ -75,9 +75,7 @@ def run_demo(
     data_dir = demo_data(Path(data))
     run_dir = free_run_dir(Path(out))
     trainers = {}
-    progress = Progress(2 * steps, "demo", enabled=True)
-
-    losses = {}
+    progress, losses = Progress(2 * steps, "demo"), {}
 
     def shown(kind: str, row: dict) -> None:  # both models' steps, tokens and latest losses on one live line
         losses[kind] = row["loss"]
@@ -117,7 +115,8 @@ def run_demo(
     )
     print(
         "the table: validation loss in nats per byte token and bits per byte (lower is better; a model that knew "
-        f"nothing would score {math.log(256):.2f} nats), and each model's training throughput in tokens per second\n"
+        f"nothing would score ln {diff.config.vocab_size} = {math.log(diff.config.vocab_size):.2f} nats), and each "
+        "model's training throughput in tokens per second\n"
     )
     print(
         f"{'step':>6} {'val loss DIFF':>14} {'val loss std':>13} {'bpb DIFF':>9} {'bpb std':>8} "

@@ -76,11 +76,15 @@ def lm_eval_perplexity(hf_model, hf_tokenizer, jsonl: str | Path, text_field: st
             "metric_list": [{"metric": m} for m in ("word_perplexity", "byte_perplexity", "bits_per_byte")],
         }
         (Path(tmp) / f"{TASK}.yaml").write_text(json.dumps(task))  # JSON is YAML
-        with quiet_third_party():
-            logging.getLogger("lm_eval").setLevel(logging.ERROR)
-            os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
-            lm = HFLM(pretrained=hf_model, tokenizer=hf_tokenizer, batch_size=1, max_length=max_length)
-            task_manager = TaskManager(include_path=tmp)
-            out = lm_eval.simple_evaluate(model=lm, tasks=[TASK], task_manager=task_manager, verbosity="ERROR")
+        logger = logging.getLogger("lm_eval")
+        level = logger.level
+        try:
+            with quiet_third_party():
+                logger.setLevel(logging.ERROR)
+                lm = HFLM(pretrained=hf_model, tokenizer=hf_tokenizer, batch_size=1, max_length=max_length)
+                task_manager = TaskManager(include_path=tmp)
+                out = lm_eval.simple_evaluate(model=lm, tasks=[TASK], task_manager=task_manager, verbosity="ERROR")
+        finally:
+            logger.setLevel(level)  # the caller's logging as it was
     result = out["results"][TASK]
     return {m: result[f"{m},none"] for m in ("word_perplexity", "byte_perplexity", "bits_per_byte")}
