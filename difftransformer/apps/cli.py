@@ -356,7 +356,12 @@ def _config_flags(parser, config, skip: tuple[str, ...] = (), defaults: dict[str
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="difftx", description="The Differential Transformer: tools.")
+    parser = _Parser(
+        prog="difftx",
+        description="The Differential Transformer: train, sample, convert, evaluate and reproduce the paper's claims.",
+        epilog="Each command's flags and their defaults: difftx COMMAND --help. A first run: difftx demo. "
+        "The tutorials and the API reference: make docs in a checkout, then site/index.html.",
+    )
     parser.add_argument("--version", action="version", version=f"difftransformer {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     for add in (
