@@ -24,7 +24,7 @@ def test_demo_trains_both_and_writes_a_report(capsys, tmp_path, prepared):
     out, err = capsys.readouterr()
     assert "tiny DIFF: 1,345,984 parameters (4 differential heads); tiny standard: 1,345,408 (8 heads)" in out
     assert "val loss DIFF" in out and "val loss std" in out
-    assert "about 4.5 minutes on 2 idle CPU cores" in out and "lower is better" in out  # how long, what it means
+    assert "about 5 minutes on 2 idle CPU cores" in out and "lower is better" in out  # how long, what it means
     assert "the committed study (`difftx repro lm --scale cpu" in out  # the numbers to read this one against
     assert "demo  16/16 steps" in err  # the live line counts both models' steps
     for kind in ("diff", "standard"):
