@@ -167,11 +167,8 @@ def bench_attention(
         pass
     for layer in layers.values():
         layer.to(device, dtype)
-    calls = sum(
-        (2 * len([n for n in layers if n not in ("plain", "hf-eager") or t <= plain_max_seq]) + 1
-         + len([i for i in diff_impls(device) if i != "plain" or t <= plain_max_seq])) * (1 + repeats)
-        for t in seqs
-    )  # fmt: skip
+    calls = sum((2 * len(_timed_layers(layers, t, plain_max_seq)) + 1 + len(_timed_cores(device, t, plain_max_seq)))
+                * (1 + repeats) for t in seqs)  # fmt: skip
     with _Calls.tracking("attention", calls):
         rows = [_attention_rows(layers, t, dim, heads, batch, repeats, plain_max_seq, device, dtype) for t in seqs]
     rows = [row for three in rows for row in three]
@@ -195,17 +192,26 @@ def _attention_rows(layers, t, dim, heads, batch, repeats, plain_max_seq, device
     """The three rows of one sequence length: the layers forward, forward + backward, and the cores."""
     x = torch.randn(batch, t, dim, device=device, dtype=dtype)
     xg = x.clone().requires_grad_()
-    names = [n for n in layers if n not in ("plain", "hf-eager") or t <= plain_max_seq]
+    names = _timed_layers(layers, t, plain_max_seq)
     with torch.no_grad():
         fwd = median_times({n: partial(layers[n], x) for n in names}, repeats)
     fb = median_times({n: partial(_forward_backward, layers[n], xg) for n in names}, repeats)
     rows = [{"seq": t, "direction": d, "seconds": res} for d, res in (("forward", fwd), ("forward+backward", fb))]
     core = _core_inputs(batch, heads, dim // heads, t, device, dtype)
-    impls = [i for i in diff_impls(device) if i != "plain" or t <= plain_max_seq]
     fns = {"standard": partial(_core_standard, *core["standard"])}
-    fns |= {impl: partial(_core_diff, impl, *core["diff"]) for impl in impls}
+    fns |= {impl: partial(_core_diff, impl, *core["diff"]) for impl in _timed_cores(device, t, plain_max_seq)}
     rows.append({"seq": t, "direction": "core forward+backward", "seconds": median_times(fns, repeats)})
     return rows
+
+
+def _timed_layers(layers: dict, t: int, plain_max_seq: int) -> list[str]:
+    """The layers timed at length t: the materialising ones (plain, HF eager) only up to plain_max_seq."""
+    return [n for n in layers if n not in ("plain", "hf-eager") or t <= plain_max_seq]
+
+
+def _timed_cores(device: str, t: int, plain_max_seq: int) -> list[str]:
+    """Our DIFF methods whose attention core is timed at length t (besides the standard core)."""
+    return [i for i in diff_impls(device) if i != "plain" or t <= plain_max_seq]
 
 
 def _forward_backward(module: torch.nn.Module, x: torch.Tensor) -> None:
