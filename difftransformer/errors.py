@@ -14,6 +14,16 @@ from collections.abc import Callable, Iterable
 from types import SimpleNamespace
 from typing import Any
 
+# the optional extras of pyproject.toml, by the top-level module each one provides: what to pip install when an
+# import fails (the CLI's message, the tests' skip reasons)
+OPTIONAL_EXTRA = {
+    "transformers": "hf",
+    "matplotlib": "plot",
+    "lm_eval": "eval",
+    "accelerate": "eval",
+    "triton": "triton",
+}
+
 
 class InputError(ValueError):
     """Bad input from the user, with a message that names the problem and the fix. A setting the user can change

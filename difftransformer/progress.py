@@ -29,6 +29,20 @@ def duration(seconds: float) -> str:
     return f"{s // 3600}h{s % 3600 // 60:02d}m"
 
 
+def batches(items, size: int, progress: Progress | None = None, tokens_per_item: int = 0) -> Iterator:
+    """``items[i : i + size]`` for i = 0, size, 2 size, ...; with ``progress``, each batch done is counted on it (items
+    and their tokens), and the line is closed when the loop ends."""
+    try:
+        for i in range(0, len(items), size):
+            yield items[i : i + size]
+            if progress is not None:
+                done = min(i + size, len(items))
+                progress.update(done, tokens=done * tokens_per_item)
+    finally:
+        if progress is not None:
+            progress.close()
+
+
 class Progress:
     """``update(done, tokens=..., loss=...)`` after each unit of work (``done`` counts units from 0 to ``total``;
     ``tokens`` is the running total of tokens processed, for the tokens/s figure); ``write(line)`` prints a line

@@ -5,11 +5,11 @@ import os
 import pytest
 import torch
 
+from difftransformer.errors import OPTIONAL_EXTRA
+
 # lambda_init = 0.8 - 0.6 exp(-0.3 l) for layers l = 0..12, to 4 decimals (docs/paper.md section 1), written out so
 # that no test re-types the formula it checks
 LAMBDA_INIT = (0.2, 0.3555, 0.4707, 0.5561, 0.6193, 0.6661, 0.7008, 0.7265, 0.7456, 0.7597, 0.7701, 0.7779, 0.7836)
-
-EXTRAS = {"transformers": "hf", "lm_eval": "eval", "matplotlib": "plot", "triton": "triton"}
 
 
 def optional(module: str):
@@ -18,7 +18,7 @@ def optional(module: str):
     extra, so nothing is skipped there unseen)."""
     if os.environ.get("DIFFTX_REQUIRE_OPTIONAL") == "1":
         return importlib.import_module(module)
-    extra = EXTRAS[module]
+    extra = OPTIONAL_EXTRA[module]
     return pytest.importorskip(module, reason=f"needs {module}: pip install 'difftransformer[{extra}]'")
 
 

@@ -698,14 +698,17 @@ def _flag_namer(parser: argparse.ArgumentParser, owner: str | None = None):
     return name_of
 
 
-# the optional extras of pyproject.toml, by the top-level modules they provide
-EXTRAS = {"hf": ("transformers",), "plot": ("matplotlib",), "eval": ("lm_eval", "accelerate"), "triton": ("triton",)}
-
-
 def main(argv: list[str] | None = None) -> int:
     """Run one command. Exit codes: 0 done, 2 bad input or a file problem (one line on stderr), 3 training
     diverged, 130/143 interrupted by SIGINT/SIGTERM, 1 a defect (with its traceback: please report it)."""
-    from difftransformer.errors import ConfigError, InputError, Interrupted, TrainingDiverged, name_fields
+    from difftransformer.errors import (
+        OPTIONAL_EXTRA,
+        ConfigError,
+        InputError,
+        Interrupted,
+        TrainingDiverged,
+        name_fields,
+    )
 
     try:
         args = build_parser().parse_args(argv)
@@ -729,7 +732,7 @@ def main(argv: list[str] | None = None) -> int:
     except MemoryError:
         return _fail(where, "out of memory: use a smaller model, batch or sequence length")
     except ModuleNotFoundError as err:
-        extra = next((e for e, modules in EXTRAS.items() if (err.name or "").split(".")[0] in modules), None)
+        extra = OPTIONAL_EXTRA.get((err.name or "").split(".")[0])
         if extra is None:
             raise
         extra = "eval" if args.command == "eval" else extra  # lm-eval needs transformers too: one install for both

@@ -22,7 +22,7 @@ import torch
 from difftransformer.core.attention.logits import logit_probe
 from difftransformer.core.model import TransformerLM
 from difftransformer.inference.magnitudes import MagnitudeStats
-from difftransformer.progress import Progress
+from difftransformer.progress import Progress, batches
 
 
 class OutlierRecorder:
@@ -104,13 +104,8 @@ def measure(
     model.eval()
     try:
         with recorder.recording():
-            for i in range(0, len(windows), batch):
-                model(windows[i : i + batch])
-                if progress is not None:
-                    done = min(i + batch, len(windows))
-                    progress.update(done, tokens=done * windows.shape[1])
+            for chunk in batches(windows, batch, progress, windows.shape[1]):
+                model(chunk)
     finally:
         model.train(was_training)
-        if progress is not None:
-            progress.close()
     return recorder

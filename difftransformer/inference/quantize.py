@@ -21,7 +21,7 @@ from difftransformer.core.quantized import SCHEMES, levels, replace_linears, tar
 from difftransformer.errors import InputError
 from difftransformer.fsutil import check_new_dir, write_new_dir, write_text_atomic
 from difftransformer.inference.magnitudes import MagnitudeStats
-from difftransformer.progress import Progress
+from difftransformer.progress import Progress, batches
 from difftransformer.training.checkpoint import list_checkpoints, save_checkpoint
 from difftransformer.training.runs import MODEL_CONFIG, QUANTIZATION, load_run, read_quantization, run_windows
 
@@ -51,15 +51,11 @@ def calibrate(
     ]
     try:
         model.eval()
-        for i in range(0, len(windows), batch):
-            model(windows[i : i + batch])
-            if progress is not None:
-                progress.update(min(i + batch, len(windows)), tokens=min(i + batch, len(windows)) * windows.shape[1])
+        for chunk in batches(windows, batch, progress, windows.shape[1]):
+            model(chunk)
     finally:
         for handle in handles:
             handle.remove()
-        if progress is not None:
-            progress.close()
     scales = {}
     for name, s in stats.items():
         bound = float(s.top[0]) if calibrator == "absmax" else s.quantile(PERCENTILE, upper=True)

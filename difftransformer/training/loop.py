@@ -315,7 +315,7 @@ class Trainer:
         if self.world.is_main:  # drop metrics written after the checkpoint: they will be written again
             metrics = self.run_dir / METRICS
             rows = metrics.read_text(errors="replace").splitlines() if metrics.is_file() else []
-            steps = [(r, _step_of(r)) for r in rows if r.strip()]
+            steps = [(r, step_of(r)) for r in rows if r.strip()]
             if any(step is None for _, step in steps):
                 self._note(f"{metrics} has lines that are not metrics rows; they are dropped")
             kept = "".join(r + "\n" for r, step in steps if step is not None and step <= self.step_idx)
@@ -444,7 +444,7 @@ class Trainer:
             )
 
 
-def _step_of(row: str) -> int | None:
+def step_of(row: str) -> int | None:
     """The step of a metrics.jsonl line (None for a line that is not a metrics row)."""
     try:
         step = json.loads(row).get("step")

@@ -46,7 +46,7 @@ from difftransformer.training.config import TrainConfig, device_problem, resume_
 from difftransformer.training.data import TokenData, eval_windows, is_val_document, prepare, read_manifest
 from difftransformer.training.evaluate import token_losses
 from difftransformer.training.interrupts import StopSignals
-from difftransformer.training.loop import Trainer, layer_lambdas
+from difftransformer.training.loop import Trainer, layer_lambdas, step_of
 from difftransformer.training.runs import METRICS, TRAIN_CONFIG
 
 PARTS = ("sweep", "grid", "ablations")
@@ -302,15 +302,10 @@ def _trained_steps(run_dir: Path) -> int:
     try:
         with open(run_dir / METRICS, "rb") as f:
             f.seek(max(0, f.seek(0, os.SEEK_END) - 4096))
-            tail = f.read().splitlines()
+            tail = f.read().decode("utf-8", "replace").splitlines()
     except OSError:
         return 0
-    for line in reversed(tail):
-        try:
-            return int(json.loads(line)["step"])
-        except (ValueError, KeyError, TypeError):
-            continue
-    return 0
+    return next((step for step in map(step_of, reversed(tail)) if step is not None), 0)
 
 
 def _run_processes(jobs: list[tuple], workers: int, out: Path, progress: Progress) -> None:
