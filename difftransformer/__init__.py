@@ -1,12 +1,26 @@
-"""difftransformer: the Differential Transformer (Ye et al., ICLR 2025), faithful and fast."""
+"""difftransformer: the Differential Transformer (Ye et al., ICLR 2025), faithful and fast.
 
-from difftransformer.core.attention import MultiheadAttention, MultiheadDiffAttn, MultiheadDiffAttnV2
-from difftransformer.core.config import ModelConfig
-from difftransformer.core.model import TransformerLM, count_parameters
-from difftransformer.inference.generate import generate
-from difftransformer.training.runs import load_run
+The public names load on first use (PEP 562), so that importing the package, and so starting ``difftx``, does not
+import torch before the command line is read: a Ctrl-C during start-up is then a clean stop, not a traceback.
+"""
+
+from __future__ import annotations
+
+from importlib import import_module
+from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
+
+_HOME = {
+    "ModelConfig": "difftransformer.core.config",
+    "MultiheadAttention": "difftransformer.core.attention",
+    "MultiheadDiffAttn": "difftransformer.core.attention",
+    "MultiheadDiffAttnV2": "difftransformer.core.attention",
+    "TransformerLM": "difftransformer.core.model",
+    "count_parameters": "difftransformer.core.model",
+    "generate": "difftransformer.inference.generate",
+    "load_run": "difftransformer.training.runs",
+}
 
 __all__ = [
     "ModelConfig",
@@ -19,3 +33,22 @@ __all__ = [
     "load_run",
     "__version__",
 ]
+
+if TYPE_CHECKING:  # what the names are, for type checkers and readers
+    from difftransformer.core.attention import MultiheadAttention, MultiheadDiffAttn, MultiheadDiffAttnV2
+    from difftransformer.core.config import ModelConfig
+    from difftransformer.core.model import TransformerLM, count_parameters
+    from difftransformer.inference.generate import generate
+    from difftransformer.training.runs import load_run
+
+
+def __getattr__(name: str):
+    if name not in _HOME:
+        raise AttributeError(f"module 'difftransformer' has no attribute {name!r}")
+    value = getattr(import_module(_HOME[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_HOME])

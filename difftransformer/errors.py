@@ -48,7 +48,12 @@ class ConfigError(InputError):
 
 
 class TrainingDiverged(RuntimeError):
-    """Too many optimizer steps in a row had a non-finite loss or gradient; the run stopped without saving."""
+    """The run diverged (non-finite steps, or a state that is not healthy) and stopped without saving.
+    ``init_from`` is the checkpoint to start a new run from (None: start again), ``lr`` a lower learning rate."""
+
+    def __init__(self, message: str, init_from=None, lr: float | None = None) -> None:
+        self.init_from, self.lr = init_from, lr
+        super().__init__(message)
 
 
 class Interrupted(Exception):
@@ -104,7 +109,9 @@ class Fields:
         if ok and high is not None:
             ok = value < high if high_open else value <= high
         if not ok:
-            interval = f"{'(' if low_open else '['}{_fmt(low, '-inf')}, {_fmt(high, 'inf')}{')' if high_open else ']'}"
+            opening = "(" if low_open or low is None else "["  # an infinite bound is never included
+            closing = ")" if high_open or high is None else "]"
+            interval = f"{opening}{_fmt(low, '-inf')}, {_fmt(high, 'inf')}{closing}"
             what = f"a finite number in {interval}" + (" or None" if optional else "")
             self.fail(field, f"must be {what}{hint}, got {value!r}")
 

@@ -9,7 +9,14 @@ import pytest
 import torch
 
 from difftransformer.errors import InputError
-from difftransformer.training.checkpoint import clean_stale, list_checkpoints, load_checkpoint, save_checkpoint
+from difftransformer.training.checkpoint import (
+    clean_stale,
+    is_calm,
+    list_checkpoints,
+    load_checkpoint,
+    newest_calm,
+    save_checkpoint,
+)
 
 
 def _states():
@@ -76,3 +83,30 @@ def test_killed_writes_are_removed_and_an_interrupted_swap_restored(tmp_path):
     assert len(done) == 2 and any("restored" in line for line in done)
     assert sorted(p.name for p in root.iterdir()) == ["step_00000003"]
     assert load_checkpoint(root / "step_00000003")[2]["step"] == 3
+
+
+def test_keep_last_keeps_the_newest_calm_checkpoint_while_every_newer_one_is_spiked(tmp_path):
+    """A run whose loss spiked: keep-last 2 would keep only checkpoints written during the spike; the newest one from
+    before it stays too (one more on disk), and goes once a calm checkpoint is kept again."""
+    model_state, optim_state = _states()
+
+    def save(step, calm):
+        save_checkpoint(tmp_path, step, model_state, optim_state, {"health": {"calm": calm}}, keep_last=2)
+        return [p.name[-2:] for p in list_checkpoints(tmp_path)]
+
+    assert save(2, True) == ["02"]
+    assert save(4, True) == ["02", "04"]
+    assert save(6, False) == ["04", "06"]
+    assert save(8, False) == ["04", "06", "08"]  # plain keep-last would delete 04, the last calm one
+    assert save(10, False) == ["04", "08", "10"]
+    assert save(12, True) == ["10", "12"]
+    assert newest_calm(tmp_path).name == "step_00000012"
+
+
+def test_a_checkpoint_without_a_health_record_counts_as_calm(tmp_path):
+    """Checkpoints written before the record existed are pruned as they always were."""
+    model_state, optim_state = _states()
+    for step in (2, 4, 6):
+        save_checkpoint(tmp_path, step, model_state, optim_state, {}, keep_last=2)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000004", "step_00000006"]
+    assert is_calm(list_checkpoints(tmp_path)[-1])

@@ -132,3 +132,36 @@ def test_every_flag_has_help_and_shows_its_default():
     # built from TrainConfig: its defaults, and field names written as flags
     for line in ("(default 2000)", "(default 0.0015)", "divides --batch-size", "(default min(375, max_steps / 10))"):
         assert line in " ".join(train.split()), line
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("delay", [0.3, 0.8])
+def test_ctrl_c_during_start_up_is_a_clean_stop(prepared, tmp_path, delay):
+    """SIGINT while `difftx generate` is still importing torch: exit 130 and one line (it was a KeyboardInterrupt
+    traceback from inside an import, or a half-imported numpy's RecursionError)."""
+    import signal
+    import time
+
+    from conftest import difftx, small_config
+
+    from difftransformer.training.loop import train
+
+    train(small_config(prepared, tmp_path / "run", max_steps=2), quiet=True)
+    proc = subprocess.Popen(
+        difftx("generate", "--run", str(tmp_path / "run"), "--prompt", "the", "--max-new-tokens", "5"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    time.sleep(delay)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert re.fullmatch(r"difftx( generate)?: interrupted: stopped by SIGINT\n", err), err
+
+
+def test_importing_the_cli_does_not_import_torch():
+    """What keeps a Ctrl-C during start-up inside main(): the CLI module and the package import nothing heavy."""
+    code = "import sys, difftransformer.apps.cli; print('torch' in sys.modules, 'numpy' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False", "False"]

@@ -13,13 +13,14 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import SMALL, optional, small_config, snapshot, write_corpus
 
 from difftransformer.apps.cli import main
 from difftransformer.inference.quantize import quantize_run
 from difftransformer.training.corpus import find_files, iter_documents
 from difftransformer.training.data import prepare, verify_data
-from difftransformer.training.loop import train
+from difftransformer.training.loop import Trainer, train
 from difftransformer.training.tokenizer import train_bpe
 
 transformers = optional("transformers")
@@ -79,10 +80,26 @@ def world(tmp_path_factory) -> Path:
     shutil.copy(root / "tok" / "tokenizer.json", root / "yarn" / "tokenizer.json")
     (root / "notjson").mkdir()
     (root / "notjson" / "config.json").write_text("{oops")
+    pickled = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**llama.to_dict(), "rope_scaling": None}))
+    pickled.save_pretrained(root / "pickled")
+    for weights in (root / "pickled").glob("*.safetensors"):
+        weights.unlink()
+    torch.save(pickled.state_dict(), root / "pickled" / "pytorch_model.bin")  # a pickle: never to be loaded
+    shutil.copy(root / "tok" / "tokenizer.json", root / "pickled" / "tokenizer.json")
+    (root / "empty.jsonl").write_text("")
+    (root / "blank.jsonl").write_text('{"text": ""}\n{"text": "  "}\n')
+    (root / "blank.txt").write_text("")
+    Trainer(small_config(root / "data", root / "unstarted", max_steps=2000), quiet=True).close()  # warmup 200
+    train(small_config(root / "data-bpe", root / "run-bpe", max_steps=2, ckpt_interval=2), quiet=True)
+    shutil.copytree(root / "run-bpe", root / "swapped")
+    other = write_corpus(root / "corpus2", seed=1)
+    train_bpe(iter_documents(find_files([other])), 300, root / "tok2")
+    shutil.copy(root / "tok2" / "tokenizer.json", root / "swapped" / "tokenizer.json")
     return root
 
 
 TRAIN = "train --data {w}/data --out {w}/new --model " + shlex.quote(json.dumps(SMALL)) + " --quiet"
+FROM = "train --data {w}/data --out {w}/new --quiet --init-from"
 CASES = [
     # (command line, with {w} for the fixture directory; a phrase the one-line message must contain)
     ("train", "needs --data"),
@@ -90,9 +107,13 @@ CASES = [
     ("train --data {w}/small.txt --out {w}/new", "is not a directory"),
     ("train --data {w}/corpus --out {w}/new", "has no manifest.json"),
     ("train --data {w}/empty --out {w}/new", "manifest.json is not valid JSON"),
-    (TRAIN + " --grad-clip -1", "--grad-clip must be a finite number in (0, inf]"),
-    (TRAIN + " --grad-clip 0", "--grad-clip must be a finite number in (0, inf]"),
+    (TRAIN + " --grad-clip -1", "--grad-clip must be a finite number in (0, inf)"),
+    (TRAIN + " --grad-clip 0", "--grad-clip must be a finite number in (0, inf)"),
     (TRAIN + " --grad-clip nan", "--grad-clip must be a finite number"),
+    (
+        TRAIN + " --grad-clip inf",
+        "--grad-clip must be a finite number in (0, inf) (the largest gradient norm kept; 1.0 by default, 1e9 for no",
+    ),
     (TRAIN + " --lr 0", "--lr must be a finite number in (0, 1]"),
     (TRAIN + " --lr=-1e-3", "--lr must be a finite number in (0, 1]"),
     (TRAIN + " --lr 2", "--lr must be a finite number in (0, 1]"),
@@ -125,12 +146,19 @@ CASES = [
     (TRAIN + " --model '{\"d_model\": 100}'", "d_model (in --model) 100 is not divisible by n_heads (in --model) 8"),
     (TRAIN + ' --model \'{"attention": "standard"}\'', "--model must not set attention; use --attention"),
     (TRAIN + " --model '{\"vocab_size\": 300}'", "--model sets vocab_size 300, but the data's tokenizer has 257"),
-    (TRAIN + " --model '{\"rope_theta\": -5}'", "rope_theta (in --model) must be a finite number in (0, inf]"),
+    (TRAIN + " --model '{\"rope_theta\": -5}'", "rope_theta (in --model) must be a finite number in (0, inf)"),
     (TRAIN + " --preset huge", "argument --preset: invalid choice: 'huge' (choose from 'tiny', 'small'"),
     (TRAIN + " --attention flash", "argument --attention: invalid choice: 'flash'"),
     ("train --data {w}/data --out {w}/run", "run directory {w}/run already exists and is not empty"),
     ("train --data {w}/data --out {w}/taken", "run directory {w}/taken already exists and is not empty"),
-    (TRAIN + " --init-from {w}/nothing", "model config {w}/nothing/model_config.json does not exist"),
+    (FROM + " {w}/nothing", "--init-from {w}/nothing is not a run directory (it does not exist or is a file)"),
+    (FROM + " {w}/small.txt", "--init-from {w}/small.txt is not a run directory (it does not exist or is a file)"),
+    (FROM + " {w}/corpus", "--init-from {w}/corpus has no checkpoint to start from"),
+    (FROM + " {w}/run/checkpoints/step_00000009", "checkpoint {w}/run/checkpoints/step_00000009 (init_from) does not"),
+    (TRAIN + " --init-from {w}/run", "--model cannot be given with --init-from: the model (its config and weights)"),
+    (FROM + " {w}/run --attention standard", "--attention cannot be given with --init-from"),
+    (FROM + " {w}/run --preset small", "--preset cannot be given with --init-from"),
+    (FROM + " {w}/run --preset tiny", "--preset cannot be given with --init-from"),
     (
         "train --data {w}/data-bpe --out {w}/new --init-from {w}/run",
         "uses the tokenizer byte-257, the data in {w}/data-bpe hf-",
@@ -146,7 +174,11 @@ CASES = [
     ("train --resume {w}/run --data {w}/nothing", "--data {w}/nothing of the run {w}/run is not there"),
     ("train --resume {w}/corrupt --max-steps 8", "model.safetensors does not match its checksum"),
     ("train --resume {w}/badconfig", "train_config.json is not valid JSON"),
-    ("train --resume {w}/mismatch --max-steps 8", "does not match {w}/mismatch/model_config.json"),
+    ("train --resume {w}/unstarted --max-steps 10", "--max-steps 10 is below the run's warmup of 200 steps"),
+    (
+        "train --resume {w}/mismatch --max-steps 8",
+        "{w}/mismatch/model_config.json is not the config step_00000004 was written with (n_layers is 3; its",
+    ),
     ("data prepare --input {w}/corpus --out {w}/d --val-every 1", "--val-every must be an integer in [2,"),
     ("data prepare --input {w}/corpus --out {w}/d --val-every 0", "--val-every must be an integer in [2,"),
     ("data prepare --input {w}/corpus --out {w}/d --val-every 100000", "--val-every 100000 leaves no validation"),
@@ -165,6 +197,7 @@ CASES = [
     ("data verify {w}/empty", "manifest.json is not valid JSON"),
     ("tokenizer train --input {w}/corpus --out {w}/t --vocab-size 10", "--vocab-size must be an integer in [258,"),
     ("tokenizer train --input {w}/corpus --out {w}/taken", "tokenizer directory {w}/taken already exists"),
+    ("tokenizer train --input {w}/blank.txt --out {w}/t", "the input holds no text to train a tokenizer on"),
     ("generate --run {w}/run --prompt hi --temperature -1", "--temperature must be a finite number in [0, 100]"),
     ("generate --run {w}/run --prompt hi --temperature nan", "--temperature must be a finite number"),
     ("generate --run {w}/run --prompt hi --top-p 0", "--top-p must be a finite number in (0, 1]"),
@@ -178,13 +211,30 @@ CASES = [
     ("generate --run {w}/run --prompt ''", "prompt 0 is empty"),
     ("generate --run {w}/run --prompt " + "x" * 300, "prompt 0 has 300 tokens"),
     ("generate --run {w}/corrupt --prompt hi", "model.safetensors does not match its checksum"),
-    ("generate --run {w}/mismatch --prompt hi", "does not match {w}/mismatch/model_config.json"),
+    (
+        "generate --run {w}/mismatch --prompt hi",
+        "{w}/mismatch/model_config.json is not the config step_00000004 was written with (n_layers is 3; its",
+    ),
+    ("generate --run {w}/run --prompt ab\udcff", "--prompt is not valid UTF-8 (byte 0xff at position 2)"),
+    ("generate --run {w}/run --prompt hi --stop ok \udce9t", "--stop is not valid UTF-8 (byte 0xe9 at position 0)"),
+    ("generate --run {w}/run --prompt hi --stop ''", "stop string 0 is '': it must hold at least one character"),
+    (
+        "generate --run {w}/run --prompt hi --max-new-tokens 100000",
+        "--max-new-tokens 100000 leaves no room for a prompt in the model's context of 256 tokens; ask for at most 255",
+    ),
+    ("generate --run {w}/small.txt --prompt hi", "{w}/small.txt is a file, not a run directory"),
+    ("generate --run {w}/swapped --prompt hi", "{w}/swapped/tokenizer.json is not the tokenizer"),
+    ("generate --run {w}/run/checkpoints/step_00000009 --prompt hi", "run directory {w}/run/checkpoints/step_000"),
     ("convert --out {w}/c", "give either --run RUN --to hf, or --from-hf DIR"),
     ("convert --run {w}/run --from-hf {w}/gpt2 --out {w}/c", "give either --run RUN --to hf, or --from-hf DIR"),
     ("convert --from-hf {w}/nothing --out {w}/c", "config.json is missing"),
     ("convert --from-hf {w}/gpt2 --out {w}/c", "holds ['GPT2LMHeadModel']"),
     ("convert --from-hf {w}/notjson --out {w}/c", "config.json is not valid JSON"),
     ("convert --from-hf {w}/yarn --out {w}/c", "rotary scaling 'yarn' is not supported"),
+    (
+        "convert --from-hf {w}/pickled --out {w}/c",
+        "{w}/pickled has no .safetensors weights (pytorch_model.bin is a pickle, which is never loaded",
+    ),
     ("convert --run {w}/run --out {w}/taken", "output directory {w}/taken already exists"),
     ("convert --run {w}/corrupt --out {w}/c", "model.safetensors does not match its checksum"),
     ("analyze attention --run {w}/run --prompt-file {w}/nothing.txt --out {w}/a.png", "{w}/nothing.txt does not exist"),
@@ -193,6 +243,10 @@ CASES = [
     ("analyze attention --run {w}/run --prompt-file {w}/prompt.txt --out {w}/a.png --layer 9", "--layer 9 is out"),
     ("analyze attention --run {w}/run --prompt-file {w}/prompt.txt --out {w}/a.csv", "must name a .png file"),
     ("analyze attention --run {w}/run --out {w}/a.png", "analyze attention takes one --run and a --prompt-file"),
+    (
+        "analyze attention --run {w}/run --prompt-file {w}/prompt.txt --out {w}/nofolder/a.png",
+        "the folder {w}/nofolder of --out does not exist; create it first",
+    ),
     ("analyze outliers --run {w}/run --out {w}/taken", "output directory {w}/taken already exists"),
     ("analyze outliers --run {w}/nothing --out {w}/o", "run directory {w}/nothing does not exist"),
     ("analyze outliers --run {w}/run --out {w}/o --tokens 0", "argument --tokens: must be at least 1, got 0"),
@@ -200,6 +254,10 @@ CASES = [
     ("analyze outliers --run {w}/run --out {w}/o --data {w}/data-bpe", "but {w}/run uses"),
     ("analyze outliers --run {w}/badconfig --out {w}/o", "train_config.json is not valid JSON"),
     ("eval --run {w}/run --jsonl {w}/bad.jsonl --logit-bits 1", "logit bits must be an integer from 2 to 16"),
+    ("eval --run {w}/run --jsonl {w}/empty.jsonl", "{w}/empty.jsonl holds no text to evaluate: no record has a"),
+    ("eval --run {w}/run --jsonl {w}/blank.jsonl", "non-blank --text-field 'text'"),
+    ("eval --run {w}/run --jsonl {w}/nothing.jsonl", "{w}/nothing.jsonl does not exist or is not a file"),
+    ("eval --run {w}/run --jsonl {w}/empty.jsonl --text-field \udcff", "--text-field is not valid UTF-8"),
     ("eval --run {w}/run --jsonl {w}/bad.jsonl --logit-bits 4 --logit-granularity col", "invalid choice: 'col'"),
     ("quantize --run {w}/run --scheme w2 --out {w}/q", "argument --scheme: invalid choice: 'w2'"),
     ("quantize --run {w}/run --scheme w8a8 --out {w}/taken", "output directory {w}/taken already exists"),
@@ -211,7 +269,7 @@ CASES = [
     ("quantize --run {w}/nothing --scheme w8a16 --out {w}/q", "run directory {w}/nothing does not exist"),
     ("convert --run {w}/quant --out {w}/c", "this model is quantized"),
     ("train --resume {w}/quant", "{w}/quant is a quantized run (w8a16), which cannot train further"),
-    (TRAIN + " --init-from {w}/quant", "{w}/quant is a quantized run (w8a16), which cannot start a run from it"),
+    (FROM + " {w}/quant", "{w}/quant is a quantized run (w8a16), which cannot start a run from it"),
     ("bench attention --threads 0", "argument --threads: must be at least 1, got 0"),
     ("bench attention --device cuda", "--device is 'cuda', but no CUDA GPU is available here"),
     ("repro needle --seeds 0", "argument --seeds: must be at least 1, got 0"),

@@ -68,7 +68,7 @@ def test_json_round_trip(tmp_path):
         (dict(n_layers=2.5), r"ModelConfig.n_layers must be an integer in \[1, 1,024\], got 2.5"),
         (dict(dropout=1.0), r"ModelConfig.dropout must be a finite number in \[0, 1\), got 1.0"),
         (dict(norm_eps=0), r"ModelConfig.norm_eps must be a finite number in \(0, 1\)"),
-        (dict(rope_theta=float("nan")), r"ModelConfig.rope_theta must be a finite number in \(0, inf\] or None"),
+        (dict(rope_theta=float("nan")), r"ModelConfig.rope_theta must be a finite number in \(0, inf\) or None"),
         (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "rope_scaling must be None or one of"),
         (dict(rope_scaling={"rope_type": "linear"}), r"needs exactly the keys \['factor'\]"),
         (dict(tie_embeddings=1), "tie_embeddings must be true or false, got 1"),

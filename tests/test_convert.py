@@ -145,6 +145,7 @@ def test_llama_converted_to_diff_starts_close_and_trains(prepared, tmp_path):
         prepared,
         tmp_path / "diff1",
         init_from=str(tmp_path / "diff0"),
+        model={},  # the model comes from init_from
         seq_len=64,
         batch_size=8,
         max_steps=20,
@@ -173,3 +174,60 @@ def test_exports_of_earlier_versions_import_with_the_right_end_token(prepared, t
     assert main(["convert", "--from-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "back")]) == 0
     _, tok = load_run(tmp_path / "back")
     assert isinstance(tok, ByteTokenizer) and tok.stop_ids == [256] and tok.bos_id is None
+
+
+def _llama_with_its_own_end_token(corpus_dir, out, eos_in_both: bool = False):
+    """A Llama directory whose tokenizer has <s> and </s> (no <|endoftext|>), its end and begin tokens."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from difftransformer.training.corpus import find_files, iter_documents
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<s>", "</s>", "<eot>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(iter_documents(find_files([corpus_dir])), trainer=trainer)
+    bos, end, eot = (tok.token_to_id(t) for t in ("<s>", "</s>", "<eot>"))
+    config = transformers.LlamaConfig(
+        vocab_size=tok.get_vocab_size(), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=2, bos_token_id=bos, eos_token_id=[end, eot] if eos_in_both else end,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(out)
+    tok.save(str(out / "tokenizer.json"))
+    if eos_in_both:
+        generation = out / "generation_config.json"
+        generation.write_text(json.dumps({**json.loads(generation.read_text()), "eos_token_id": [end, eot]}))
+    return bos, end, eot
+
+
+def test_an_end_token_listed_twice_stops_generation_once(corpus_dir, tmp_path):
+    import json
+
+    _, end, eot = _llama_with_its_own_end_token(corpus_dir, tmp_path / "llama", eos_in_both=True)
+    assert main(["convert", "--from-hf", str(tmp_path / "llama"), "--out", str(tmp_path / "run")]) == 0
+    _, tok = load_run(tmp_path / "run")
+    assert tok.stop_ids == [end, eot] and tok.eot_id == end
+    assert json.loads((tmp_path / "run" / "tokenizer_spec.json").read_text())["stop"] == ["<eot>"]
+
+
+@pytest.mark.slow
+def test_eval_of_an_imported_llama_uses_its_own_end_token(corpus_dir, tmp_path, capsys):
+    """A run imported from a Llama whose end token is </s>: lm-eval gets that token (it got <|endoftext|>, which the
+    tokenizer lacks: IndexError), and both measures agree."""
+    import json
+
+    optional("lm_eval")
+    _llama_with_its_own_end_token(corpus_dir, tmp_path / "llama")
+    assert main(["convert", "--from-hf", str(tmp_path / "llama"), "--out", str(tmp_path / "run")]) == 0
+    jsonl = tmp_path / "task.jsonl"
+    jsonl.write_text(json.dumps({"text": "attention noise cancels when two maps are subtracted"}) + "\n")
+    capsys.readouterr()
+    assert main(["eval", "--run", str(tmp_path / "run"), "--jsonl", str(jsonl)]) == 0
+    out = capsys.readouterr().out
+    result = json.loads(out[out.index("{") :])
+    assert abs(result["lm_eval"]["bits_per_byte"] - result["ours"]["bits_per_byte"]) < 1e-4

@@ -18,7 +18,12 @@ def test_lm_eval_perplexity_matches_our_bits_per_byte(prepared, tmp_path, capsys
     train(
         small_config(prepared, tmp_path / "run", max_steps=20, lr=3e-3, model={**SMALL, "max_seq_len": 64}), quiet=True
     )
-    texts = ["Return the value of the named attribute.", "The attention noise cancels " * 5, "naïve café, ok."]
+    texts = [
+        "Return the value of the named attribute.",
+        "The attention noise cancels " * 5,
+        "naïve café, ok.",
+        "a literal <|endoftext|> inside a text is text, for both",  # lm-eval read it as the end token (issue #28)
+    ]
     jsonl = tmp_path / "task.jsonl"
     jsonl.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
     assert main(["eval", "--run", str(tmp_path / "run"), "--jsonl", str(jsonl)]) == 0

@@ -134,7 +134,7 @@ def test_load_run_errors(prepared, tmp_path):
     import shutil
 
     from difftransformer import load_run
-    from difftransformer.training.checkpoint import list_checkpoints
+    from difftransformer.training.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
     from difftransformer.training.loop import train
 
     with pytest.raises(FileNotFoundError, match="does not exist"):
@@ -150,8 +150,13 @@ def test_load_run_errors(prepared, tmp_path):
     weights.write_bytes(good)
     config = (run / "model_config.json").read_text()
     (run / "model_config.json").write_text(config.replace('"n_layers": 2', '"n_layers": 3'))
+    with pytest.raises(ValueError, match=r"model_config.json is not the config step_00000002 was written with \(n_la"):
+        load_run(run)  # its state.json records the config it was written with
+    model, optim, meta = load_checkpoint(list_checkpoints(run)[-1])
+    del meta["model_config"]
+    save_checkpoint(run, 2, model, optim, meta, keep_last=0)  # as a version without the record wrote it
     with pytest.raises(ValueError, match="does not match .*model_config.json: it has no layers.2"):
-        load_run(run)
+        load_run(run)  # the shapes still tell
     (run / "model_config.json").write_text(config.replace('"d_model": 64', '"d_model": 128'))
     with pytest.raises(ValueError, match="embed.weight has shape"):
         load_run(run)

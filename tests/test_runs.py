@@ -188,3 +188,22 @@ def test_data_prepared_again_in_place_is_noted(prepared, tmp_path, capsys):
     prepare(iter_documents(find_files([other])), ByteTokenizer(), data, val_every=10)
     assert main(["train", "--resume", str(run), "--quiet"]) == 0
     assert f"the data in {data} differs from the data step 8 was trained on" in capsys.readouterr().err
+
+
+def test_a_run_started_from_another_takes_its_model_and_says_so(prepared, tmp_path):
+    """init_from gives the model (config and weights): model overrides and another attention were ignored without a
+    word while train_config.json recorded them; now they are refused, and the record says what the run is."""
+    from difftransformer.errors import ConfigError
+
+    train(small_config(prepared, tmp_path / "start", max_steps=4, attention="standard"), quiet=True)
+    base = dict(init_from=str(tmp_path / "start"), max_steps=2)
+    with pytest.raises(ConfigError, match=r"TrainConfig.model cannot be given with init_from .*'standard' model"):
+        Trainer(small_config(prepared, tmp_path / "a", **base), quiet=True)  # small_config sets model
+    with pytest.raises(ConfigError, match=r"TrainConfig.attention is 'diff', but init_from .* is a 'standard' model"):
+        Trainer(small_config(prepared, tmp_path / "b", model={}, **base), quiet=True)
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+    train(small_config(prepared, tmp_path / "c", model={}, attention="standard", **base), quiet=True)
+    saved = json.loads((tmp_path / "c" / "train_config.json").read_text())
+    assert saved["preset"] is None and saved["attention"] == "standard" and saved["model"] == {}
+    assert saved["init_from"] == str(tmp_path / "start")
+    assert main(["train", "--resume", str(tmp_path / "c"), "--max-steps", "4", "--quiet"]) == 0

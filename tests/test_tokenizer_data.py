@@ -270,3 +270,57 @@ def test_special_tokens_in_documents_are_text(tmp_path, corpus_dir):
     assert tok.eot_id not in ids and tok.decode(ids) == text
     assert tok.eot_id in tok.encode_prompt(text)  # prompts are read as transformers reads them
     assert ByteTokenizer().encode(text) == list(text.encode())
+
+
+def test_suffixes_are_read_in_any_case(tmp_path):
+    """B.TXT is a text file like a.txt (it was dropped without a word), and a folder of only upper-case names holds
+    text files."""
+    (tmp_path / "mixed").mkdir()
+    (tmp_path / "mixed" / "a.txt").write_text("lower")
+    (tmp_path / "mixed" / "B.TXT").write_text("upper")
+    (tmp_path / "mixed" / "c.JsonL").write_text(json.dumps({"text": "lines"}) + "\n")
+    (tmp_path / "mixed" / "d.Md").write_text("markdown")
+    files = find_files([tmp_path / "mixed"])
+    assert sorted(f.name for f in files) == ["B.TXT", "a.txt", "c.JsonL", "d.Md"]
+    assert sorted(iter_documents(files)) == ["lines", "lower", "markdown", "upper"]
+    (tmp_path / "upper").mkdir()
+    (tmp_path / "upper" / "ONLY.TXT").write_text("shouting")
+    assert list(iter_documents(find_files([tmp_path / "upper"]))) == ["shouting"]
+
+
+def test_a_prompt_reads_the_end_token_as_the_exported_tokenizer_does():
+    """In a prompt, a literal <|endoftext|> is token 256, as in the Hugging Face export (documents keep it as text)."""
+    from transformers import PreTrainedTokenizerFast
+
+    tok = ByteTokenizer()
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok.to_hf(), eos_token="<|endoftext|>")
+    for text in ["a<|endoftext|>b", "<|endoftext|>", "x<|endoftext|><|endoftext|>", "naïve <|endoftext", "plain"]:
+        assert tok.encode_prompt(text) == hf(text)["input_ids"], text
+    assert tok.encode_prompt("a<|endoftext|>b") == [97, 256, 98]
+    assert 256 not in tok.encode("a<|endoftext|>b")
+
+
+def test_a_bpe_on_no_text_is_refused_and_a_short_vocabulary_is_said(tmp_path, capsys):
+    from difftransformer.apps.cli import main
+
+    with pytest.raises(ValueError, match="the input holds no text to train a tokenizer on"):
+        train_bpe(iter([]), 300, tmp_path / "none")
+    assert not (tmp_path / "none").exists()
+    (tmp_path / "few.txt").write_text("ab ab ab")
+    assert main(["tokenizer", "train", "--input", str(tmp_path / "few.txt"), "--out", str(tmp_path / "t")]) == 0
+    out = capsys.readouterr().out.strip()
+    vocab = load_tokenizer(tmp_path / "t").vocab_size
+    assert vocab < 300 and out == (
+        f"{tmp_path / 't'}: byte-level BPE with {vocab:,} tokens of the 8,192 asked: the text holds no more merges "
+        "(more text gives more)"
+    )
+
+
+def test_a_replaced_tokenizer_file_is_refused(tmp_path, corpus_dir):
+    from conftest import write_corpus
+
+    train_bpe(iter_documents(find_files([corpus_dir])), 300, tmp_path / "a")
+    train_bpe(iter_documents(find_files([write_corpus(tmp_path / "other", seed=1)])), 300, tmp_path / "b")
+    (tmp_path / "a" / "tokenizer.json").write_bytes((tmp_path / "b" / "tokenizer.json").read_bytes())
+    with pytest.raises(ValueError, match=r"a/tokenizer.json is not the tokenizer .*tokenizer_spec.json was saved with"):
+        load_tokenizer(tmp_path / "a")

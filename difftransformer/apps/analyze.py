@@ -53,6 +53,8 @@ def analyze_attention(run: str | Path, prompt_file: str | Path, out: str | Path,
         raise FileExistsError(f"{out} already exists; choose another `out` or remove it")
     if out.suffix.lower() != ".png":
         raise InputError(f"`out` must name a .png file, got {out}")
+    if not out.parent.is_dir():
+        raise FileNotFoundError(f"the folder {out.parent} of `out` does not exist; create it first (mkdir -p)")
     model, tokens, labels = load_prompt(run, prompt_file)
     n_layers = len(model.layers)
     if not -n_layers <= layer < n_layers:

@@ -1,4 +1,8 @@
-"""`difftx`: the command-line interface (also `python -m difftransformer`)."""
+"""`difftx`: the command-line interface (also `python -m difftransformer`).
+
+Importing this module imports no torch: each command imports what it needs inside ``main``, so that a Ctrl-C during
+start-up stops cleanly (exit 130) instead of ending in a traceback from inside an import.
+"""
 
 from __future__ import annotations
 
@@ -8,10 +12,13 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from difftransformer import __version__
 from difftransformer.errors import name_fields
-from difftransformer.training.config import RESUMABLE, TrainConfig
+
+if TYPE_CHECKING:
+    from difftransformer.training.config import TrainConfig
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -134,13 +141,18 @@ def _tokenizer_train(args: argparse.Namespace) -> int:
 
     check_new_dir(Path(args.out), "tokenizer directory")
     tok = train_bpe(_documents(args)[0], args.vocab_size, args.out)
-    print(f"{args.out}: byte-level BPE with {tok.vocab_size} tokens")
+    short = tok.vocab_size < args.vocab_size
+    print(
+        f"{args.out}: byte-level BPE with {tok.vocab_size:,} tokens"
+        + (f" of the {args.vocab_size:,} asked: the text holds no more merges (more text gives more)" if short else "")
+    )
     return 0
 
 
 def _train(args: argparse.Namespace) -> int:
-    from difftransformer.errors import InputError, Interrupted
+    from difftransformer.errors import InputError, Interrupted, TrainingDiverged
     from difftransformer.fsutil import parse_json_object
+    from difftransformer.training.config import TrainConfig
     from difftransformer.training.distributed import unwrap
     from difftransformer.training.loop import Trainer, resume_config
 
@@ -150,6 +162,11 @@ def _train(args: argparse.Namespace) -> int:
         given["model"] = parse_json_object(args.model, "--model")
     if args.resume:
         cfg, resume = resume_config(args.resume, out=args.out, **given), True
+    elif args.init_from and (clash := [name for name in ("preset", "attention", "model") if name in given]):
+        raise InputError(
+            f"`{clash[0]}` cannot be given with `init_from`: the model (its config and weights) comes from "
+            f"{args.init_from}; drop `{clash[0]}`"
+        )
     elif not args.data:
         raise InputError("difftx train needs --data (a directory made by 'difftx data prepare') or --resume RUN")
     else:
@@ -170,7 +187,8 @@ def _train(args: argparse.Namespace) -> int:
             steps = cfg.max_steps - trainer.step_idx
             tokens, have = steps * cfg.batch_size * cfg.seq_len, trainer.train_data.n_tokens
             print(
-                f"difftx train: {trainer.model_config.attention} model, {n:,} parameters ({cfg.preset} preset); "
+                f"difftx train: {trainer.model_config.attention} model, {n:,} parameters "
+                f"({f'{cfg.preset} preset' if cfg.preset else f'from {trainer.start}'}); "
                 f"{'resuming at step ' + str(trainer.step_idx + 1) + ', ' if trainer.step_idx else ''}{steps:,} steps "
                 f"of {cfg.batch_size} x {cfg.seq_len} tokens = {tokens:,} tokens ({tokens / have:.2f} passes over the "
                 f"{have:,} training tokens of {cfg.data}) on {trainer.world.device}"
@@ -182,6 +200,11 @@ def _train(args: argparse.Namespace) -> int:
         if not main:  # the main process says it, once
             return 128 + err.signum
         err.args = (f"{err}. Resume with: difftx train --resume {cfg.out}",)
+        raise
+    except TrainingDiverged as err:
+        if not main:
+            return 3
+        err.args = (f"{err}: {_restart_command(cfg, err)}",)
         raise
     finally:
         trainer.close()
@@ -202,6 +225,45 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_utf8(text: str, flag: str) -> None:
+    """Refuse an argument that is not UTF-8 text (Python keeps such bytes as lone surrogates)."""
+    from difftransformer.errors import InputError
+
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        byte = ord(text[err.start]) - 0xDC00 if "\udc80" <= text[err.start] <= "\udcff" else None
+        what = f"byte 0x{byte:02x}" if byte is not None else f"character {text[err.start]!r}"
+        raise InputError(
+            f"{flag} is not valid UTF-8 ({what} at position {err.start}): give text in UTF-8 (check the terminal's "
+            "encoding)"
+        ) from None
+
+
+def _restart_command(cfg: TrainConfig, err) -> str:
+    """The `difftx train` command that starts again after a divergence: from the checkpoint the error names (or from
+    scratch) with its lower learning rate and the rest of the run's recipe."""
+    import shlex
+
+    from difftransformer.training.config import TrainConfig
+
+    fresh = err.init_from is None
+    out = cfg.out if fresh and not Path(cfg.out).exists() else f"{cfg.out}-lr{err.lr:g}"
+    line = ["difftx", "train", "--data", cfg.data]
+    line += ["--out", out, "--lr", f"{err.lr:g}"] + ([] if fresh else ["--init-from", str(err.init_from)])
+    skip = {"data", "out", "lr", "init_from", "betas"} | (set() if fresh else {"preset", "attention", "model"})
+    defaults = TrainConfig(data=cfg.data, out=cfg.out)
+    derived_warmup = TrainConfig(data=cfg.data, out=cfg.out, max_steps=cfg.max_steps).warmup_steps
+    for f in dataclasses.fields(TrainConfig):
+        value = getattr(cfg, f.name)
+        default = derived_warmup if f.name == "warmup_steps" else getattr(defaults, f.name)
+        if f.name in skip or value == default or value is None or value is False:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        line += [flag] if value is True else [flag, json.dumps(value) if isinstance(value, dict) else str(value)]
+    return shlex.join(line)
+
+
 def _generate(args: argparse.Namespace) -> int:
     import torch
 
@@ -209,6 +271,9 @@ def _generate(args: argparse.Namespace) -> int:
     from difftransformer.training.runs import load_run
 
     SamplingConfig(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed)  # before the model loads
+    _check_utf8(args.prompt, "--prompt")
+    for stop in args.stop or ():
+        _check_utf8(stop, "--stop")
     model, tokenizer = load_run(args.run)
     prompt = tokenizer.encode_prompt(args.prompt)
     shown = ""
@@ -289,6 +354,7 @@ def _eval(args: argparse.Namespace) -> int:
     from difftransformer.training.runs import load_run
     from difftransformer.training.tokenizer import EOT
 
+    _check_utf8(args.text_field, "--text-field")
     quantizer = None
     if args.logit_bits is not None:
         from difftransformer.core.attention.logits import LogitQuantizer, logit_probe
@@ -302,7 +368,9 @@ def _eval(args: argparse.Namespace) -> int:
     if is_quantized(model):
         result["lm_eval"] = "skipped: a quantized run has no Hugging Face form; ours runs the quantized model"
     elif quantizer is None:
-        hf_tok = PreTrainedTokenizerFast(tokenizer_object=tokenizer.to_hf(), eos_token=EOT)
+        # the run's own end-of-text token; special-token strings in the texts read as text, as ours reads them
+        eot = getattr(tokenizer, "eot", EOT)
+        hf_tok = PreTrainedTokenizerFast(tokenizer_object=tokenizer.to_hf(), eos_token=eot, split_special_tokens=True)
         hf = to_hf(model)
         result["lm_eval"] = lm_eval_perplexity(hf, hf_tok, args.jsonl, args.text_field, model.config.max_seq_len)
     if quantizer is not None:
@@ -436,6 +504,8 @@ def _tokenizer_command(sub) -> None:
 
 
 def _train_command(sub) -> None:
+    from difftransformer.training.config import RESUMABLE, TrainConfig
+
     tr = _command(sub, "train", _train, "train a model on prepared data (or resume a run)")
     tr.add_argument(
         "--resume",
@@ -701,6 +771,35 @@ def _flag_namer(parser: argparse.ArgumentParser, owner: str | None = None):
 def main(argv: list[str] | None = None) -> int:
     """Run one command. Exit codes: 0 done, 2 bad input or a file problem (one line on stderr), 3 training
     diverged, 130/143 interrupted by SIGINT/SIGTERM, 1 a defect (with its traceback: please report it)."""
+    try:
+        if _start_up_interrupted():
+            return _fail("difftx", "stopped by SIGINT", code=130, label="interrupted")
+        return _main(argv)
+    except KeyboardInterrupt:  # before the command started (imports, parsing): nothing was written
+        return _fail("difftx", "stopped by SIGINT", code=130, label="interrupted")
+
+
+def _start_up_interrupted() -> bool:
+    """Import torch, the slow part of every command's start-up, with SIGINT held back until it is done (an
+    import cut short by KeyboardInterrupt can leave a module half-initialised, and a library's bare ``except``
+    can swallow it); True if a SIGINT came meanwhile."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        import torch  # noqa: F401
+
+        return False
+    received: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, _frame: received.append(signum))
+    try:
+        import torch  # noqa: F401
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    return bool(received)
+
+
+def _main(argv: list[str] | None) -> int:
     from difftransformer.errors import (
         OPTIONAL_EXTRA,
         ConfigError,
@@ -722,9 +821,9 @@ def main(argv: list[str] | None = None) -> int:
     except InputError as err:
         return _fail(where, name_fields(str(err), _flag_namer(args.parser)))
     except OSError as err:
-        return _fail(where, str(err))
+        return _fail(where, name_fields(str(err), _flag_namer(args.parser)))
     except TrainingDiverged as err:
-        return _fail(where, str(err), code=3)
+        return _fail(where, name_fields(str(err), _flag_namer(args.parser)), code=3)
     except Interrupted as err:
         return _fail(where, str(err), code=128 + err.signum, label="interrupted")
     except KeyboardInterrupt:

@@ -49,9 +49,16 @@ def quiet_third_party(noise: re.Pattern = NOISE) -> Iterator[None]:
 
 
 def read_texts(jsonl: str | Path, text_field: str = "text") -> list[str]:
+    """The non-blank texts of a JSONL file; a file without one is refused (there is nothing to score)."""
+    from difftransformer.errors import InputError
     from difftransformer.training.corpus import iter_documents
 
-    return list(iter_documents([Path(jsonl)], text_field))
+    if not Path(jsonl).is_file():
+        raise FileNotFoundError(f"{jsonl} does not exist or is not a file")
+    texts = list(iter_documents([Path(jsonl)], text_field))
+    if not texts:
+        raise InputError(f"{jsonl} holds no text to evaluate: no record has a non-blank `text_field` {text_field!r}")
+    return texts
 
 
 def lm_eval_perplexity(hf_model, hf_tokenizer, jsonl: str | Path, text_field: str = "text", max_length: int = 256):

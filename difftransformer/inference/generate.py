@@ -94,12 +94,22 @@ def generate(
     limit = model.config.max_seq_len
     if stop_strings and tokenizer is None:
         raise InputError("stop_strings needs the tokenizer to decode the generated text")
+    for i, stop in enumerate(stop_strings):
+        if not isinstance(stop, str) or not stop:
+            raise InputError(
+                f"stop string {i} is {stop!r}: it must hold at least one character (an empty one matches at once)"
+            )
     room = limit - max_new_tokens
+    if room < 1:
+        raise InputError(
+            f"`max_new_tokens` {max_new_tokens} leaves no room for a prompt in the model's context of {limit} tokens; "
+            f"ask for at most {limit - 1}"
+        )
     for i, p in enumerate(prompts):
         if not p:
             raise InputError(f"prompt {i} is empty; give at least one token")
         if len(p) > room:
-            if not truncate or room < 1:
+            if not truncate:
                 raise InputError(
                     f"prompt {i} has {len(p)} tokens; with {max_new_tokens} new tokens it exceeds the model's context "
                     f"of {limit}. Shorten the prompt, ask for fewer tokens, or set `truncate` to keep "
@@ -124,10 +134,16 @@ def generate(
     out: list[list[int]] = [[] for _ in range(b)]
     done = [False] * b
     for step in range(max_new_tokens):
-        nxt = sample_next(logits, temperature, top_k, top_p, generator)
-        for i, tok in enumerate(nxt.tolist()):
+        finite = torch.isfinite(logits).all(-1)  # (B,): checked with the sampled ids, in the same synchronisation
+        nxt = sample_next(torch.where(finite[:, None], logits, 0.0), temperature, top_k, top_p, generator)
+        for i, tok in enumerate(torch.where(finite, nxt, -1).tolist()):
             if done[i]:
                 continue
+            if tok < 0:
+                raise InputError(
+                    f"the model's scores for the next token of prompt {i} are not finite (NaN or infinity): its "
+                    "weights diverged in training. Use a checkpoint from before the divergence"
+                )
             if tok in stop_tokens:
                 done[i] = True
                 continue

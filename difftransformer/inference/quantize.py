@@ -122,7 +122,7 @@ def quantize_run(
         model.config.to_json(tmp / MODEL_CONFIG)
         tokenizer.save(tmp)
         write_text_atomic(tmp / QUANTIZATION, spec_json(spec))
-        meta = {"model_config": model.config.to_dict(), "quantization": spec}
+        meta = {"model_config": model.config.to_dict(), "tokenizer": tokenizer.fingerprint(), "quantization": spec}
         save_checkpoint(tmp, step, model.state_dict(), {"state": {}, "param_groups": []}, meta, keep_last=1)
 
     write_new_dir(out, "output directory", write)

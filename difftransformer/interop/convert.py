@@ -99,8 +99,16 @@ def hf_to_run(hf_dir: str | Path, out_dir: str | Path, attention: str | None = N
     if not (hf_dir / HF_FILE).is_file():
         raise FileNotFoundError(f"{hf_dir} has no {HF_FILE}; the run needs the model's tokenizer")
     tokenizer = _imported_tokenizer(hf_dir, hf_config)
+    if not any(hf_dir.glob("*.safetensors")):
+        pickled = sorted(p.name for p in hf_dir.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt", ".pkl"))
+        raise InputError(
+            f"{hf_dir} has no .safetensors weights"
+            + (f" ({pickled[0]} is a pickle, which is never loaded: unpickling can run code)" if pickled else "")
+            + "; save the model with save_pretrained(..., safe_serialization=True), where you trust it, and convert "
+            "that directory"
+        )
     try:
-        hf_model = AutoModelForCausalLM.from_pretrained(hf_dir, local_files_only=True)
+        hf_model = AutoModelForCausalLM.from_pretrained(hf_dir, local_files_only=True, use_safetensors=True)
     except (OSError, ValueError) as err:
         raise InputError(f"transformers could not load {hf_dir}: {err}") from None
     model = from_hf(hf_model)
@@ -133,7 +141,9 @@ def _imported_tokenizer(hf_dir: Path, hf_config: dict) -> HFTokenizer | ByteToke
 
     own, listed = ids(hf_config.get("eos_token_id")), ids(generation.get("eos_token_id"))
     ends = own[:1] or listed[:1]
-    ends += [i for i in own[1:] + listed if i not in ends and i in special_ids]
+    for i in own[1:] + listed:  # each once, in order
+        if i not in ends and i in special_ids:
+            ends.append(i)
     bos = [i for i in ids(hf_config.get("bos_token_id", generation.get("bos_token_id"))) if i in special_ids]
     special = {
         "eot": tok.id_to_token(ends[0]) if ends else EOT,

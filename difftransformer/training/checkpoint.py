@@ -4,7 +4,8 @@ Layout: ``<run>/checkpoints/step_00000100/`` holding ``model.safetensors``, ``op
 optimizer's tensors keyed ``<param name>/<state name>``) and ``state.json`` (step, data position, configs,
 optimizer hyper-parameters, metrics). A checkpoint is written into a temporary directory, every file is
 fsync'ed, and the directory is renamed into place, so a crash while writing never damages the last good
-checkpoint; only then are checkpoints beyond the newest ``keep_last`` deleted. A failed write (a full disk)
+checkpoint; only then are checkpoints beyond the newest ``keep_last`` deleted (but not the newest calm one while
+every kept one was written during a loss spike: training/health.py). A failed write (a full disk)
 removes its temporary directory; ``clean_stale`` removes those of killed writes.
 
 Every file carries a SHA-256 digest of its content (the tensors' names, dtypes, shapes and bytes in the safetensors
@@ -32,6 +33,7 @@ CKPT_DIR = "checkpoints"
 PREFIX = "step_"
 TMP, OLD = ".tmp-", ".old-"
 STATE_KEYS = ("step", "optimizer")
+MODEL_FILE, OPTIMIZER_FILE, STATE_FILE = "model.safetensors", "optimizer.safetensors", "state.json"
 
 
 def _fsync_dir(path: Path) -> None:
@@ -85,21 +87,26 @@ def save_checkpoint(
             shutil.rmtree(tmp)
         tmp.mkdir()
         optim_tensors, optim_meta = flatten_optimizer(optim_state)
-        _save_tensors(_unshared(model_state), tmp / "model.safetensors")
-        _save_tensors(optim_tensors, tmp / "optimizer.safetensors")
-        state = {**meta, "step": step, "optimizer": optim_meta}
-        (tmp / "state.json").write_text(json.dumps({**state, "sha256": _json_digest(state)}, indent=1) + "\n")
+        files = {
+            MODEL_FILE: _save_tensors(_unshared(model_state), tmp / MODEL_FILE),
+            OPTIMIZER_FILE: _save_tensors(optim_tensors, tmp / OPTIMIZER_FILE),
+        }
+        state = {**meta, "step": step, "optimizer": optim_meta, "files": files}
+        (tmp / STATE_FILE).write_text(json.dumps({**state, "sha256": _json_digest(state)}, indent=1) + "\n")
         for path in tmp.iterdir():
             _fsync_file(path)
         _fsync_dir(tmp)
     except BaseException as err:
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(err, OSError) and err.errno is not None:
-            raise OSError(
-                err.errno,
-                f"could not write checkpoint {final.name} in {root} ({err.strerror}); nothing was replaced: the "
-                "earlier checkpoints are intact. Free some space (or fix the problem) and resume",
-            ) from err
+            earlier = list_checkpoints(run_dir)
+            state = (
+                f"the newest checkpoint, {earlier[-1].name}, is intact. Free some space (or fix the problem) and resume"
+                if earlier
+                else "it was the first checkpoint, so there is no earlier one"
+            )
+            problem = f"could not write checkpoint {final.name} in {root} ({err.strerror})"
+            raise OSError(err.errno, f"{problem}; nothing was replaced: {state}") from err
         raise
     if final.exists():  # the same step written again after a resume: swap, never leave a gap
         old = root / f"{OLD}{final.name}-{os.getpid()}"
@@ -109,9 +116,37 @@ def save_checkpoint(
     else:
         tmp.rename(final)
     _fsync_dir(root)
-    for stale in list_checkpoints(run_dir)[:-keep_last] if keep_last > 0 else []:
+    for stale in _stale(list_checkpoints(run_dir), keep_last):
         shutil.rmtree(stale)
     return final
+
+
+def _stale(checkpoints: list[Path], keep_last: int) -> list[Path]:
+    """The checkpoints that keep-last deletes: all but the newest ``keep_last`` (none for 0), except the newest
+    calm one when every kept checkpoint was written during a loss spike (training/health.py)."""
+    if keep_last <= 0 or len(checkpoints) <= keep_last:
+        return []
+    stale = checkpoints[:-keep_last]
+    if not any(is_calm(p) for p in checkpoints[-keep_last:]):
+        calm = [p for p in stale if is_calm(p)]
+        if calm:
+            stale.remove(calm[-1])
+    return stale
+
+
+def is_calm(checkpoint: Path) -> bool:
+    """Whether a checkpoint was written outside a loss spike, as its state.json records (True for checkpoints
+    written before the record existed, False for an unreadable state.json)."""
+    try:
+        health = json.loads((checkpoint / STATE_FILE).read_bytes()).get("health", {})
+        return bool(health.get("calm", True))
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def newest_calm(run_dir: str | Path) -> Path | None:
+    """The newest checkpoint written outside a loss spike (None if there is none)."""
+    return next((p for p in reversed(list_checkpoints(run_dir)) if is_calm(p)), None)
 
 
 def clean_stale(run_dir: str | Path) -> list[str]:
@@ -137,7 +172,8 @@ def clean_stale(run_dir: str | Path) -> list[str]:
     return done
 
 
-def _save_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
+def _save_tensors(tensors: dict[str, torch.Tensor], path: Path) -> str:
+    """Write ``tensors`` with their digest in the file's metadata; returns the digest."""
     metadata = {"format": "pt", "sha256": tensors_digest(tensors)}
     try:
         save_file(tensors, path, metadata=metadata)
@@ -145,6 +181,7 @@ def _save_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
         code = re.search(r"os error (\d+)", str(err))
         number = int(code.group(1)) if code else errno.EIO
         raise OSError(number, os.strerror(number), str(path)) from err
+    return metadata["sha256"]
 
 
 def tensors_digest(tensors: dict[str, torch.Tensor]) -> str:
@@ -180,7 +217,9 @@ def list_checkpoints(run_dir: str | Path) -> list[Path]:
     return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX))
 
 
-def _load_tensors(file: Path) -> dict[str, torch.Tensor]:
+def _load_tensors(file: Path, expected: str | None = None) -> dict[str, torch.Tensor]:
+    """The tensors of a checkpoint file, checked against the digest in its metadata and, when state.json records
+    one (``expected``), against that: a file copied in from another checkpoint matches its own digest only."""
     if not file.is_file():
         raise FileNotFoundError(f"checkpoint {file.parent} is incomplete: {file.name} is missing")
     try:
@@ -191,6 +230,11 @@ def _load_tensors(file: Path) -> dict[str, torch.Tensor]:
         raise InputError(f"{file} is corrupt or truncated ({err}); {_earlier(file.parent)}") from None
     if "sha256" in metadata and metadata["sha256"] != tensors_digest(tensors):
         raise InputError(f"{file} does not match its checksum: the file is damaged; {_earlier(file.parent)}")
+    if expected is not None and metadata.get("sha256") != expected:
+        raise InputError(
+            f"{file} is not the file {file.parent / STATE_FILE} was written with (their digests differ): it was "
+            f"replaced, e.g. by one from another checkpoint; {_earlier(file.parent)}"
+        )
     return tensors
 
 
@@ -201,17 +245,35 @@ def _earlier(checkpoint: Path) -> str:
     )
 
 
+def load_model(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
+    """(model weights, meta) of one checkpoint directory; the meta is empty for a checkpoint without state.json."""
+    path = Path(path)
+    meta = read_state(path) if (path / STATE_FILE).is_file() else {}
+    return _load_tensors(path / MODEL_FILE, meta.get("files", {}).get(MODEL_FILE)), meta
+
+
 def load_model_tensors(path: str | Path) -> dict[str, torch.Tensor]:
     """The model weights of one checkpoint directory."""
-    return _load_tensors(Path(path) / "model.safetensors")
+    return load_model(path)[0]
 
 
 def load_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict, dict]:
     """(model tensors, optimizer state dict, meta) of one checkpoint directory, with clear errors."""
     path = Path(path)
-    state = path / "state.json"
-    if not state.is_file():
-        raise FileNotFoundError(f"checkpoint {path} is incomplete: state.json is missing")
+    if not (path / STATE_FILE).is_file():
+        raise FileNotFoundError(f"checkpoint {path} is incomplete: {STATE_FILE} is missing")
+    model, meta = load_model(path)
+    try:
+        optim_file = _load_tensors(path / OPTIMIZER_FILE, meta.get("files", {}).get(OPTIMIZER_FILE))
+        optim = unflatten_optimizer(optim_file, meta.pop("optimizer"))
+    except (KeyError, TypeError, AttributeError, ValueError) as err:
+        raise InputError(f"{path / STATE_FILE} holds no valid optimizer state ({err!r}); {_earlier(path)}") from None
+    return model, optim, meta
+
+
+def read_state(path: Path) -> dict:
+    """The state.json of one checkpoint directory, checked against its digest."""
+    state = path / STATE_FILE
     try:
         meta = json.loads(state.read_bytes().decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
@@ -221,9 +283,6 @@ def load_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict, di
     digest = meta.pop("sha256", None)
     if digest is not None and digest != _json_digest(meta):
         raise InputError(f"{state} does not match its checksum: the file is damaged; {_earlier(path)}")
-    model = load_model_tensors(path)
-    try:
-        optim = unflatten_optimizer(_load_tensors(path / "optimizer.safetensors"), meta.pop("optimizer"))
-    except (KeyError, TypeError, AttributeError, ValueError) as err:
-        raise InputError(f"{state} holds no valid optimizer state ({err!r}); {_earlier(path)}") from None
-    return model, optim, meta
+    if not isinstance(meta.get("files", {}), dict):
+        raise InputError(f"{state} is damaged: its files entry is not an object; {_earlier(path)}")
+    return meta

@@ -49,7 +49,10 @@ class TrainConfig:
         metadata=_help("a directory made by `difftx data prepare`; when resuming, where the run's data lies now")
     )
     out: str = field(metadata=_help("the run directory (not saved in it: a run directory is wherever it is)"))
-    preset: str = field(default="tiny", metadata=_help("model preset (see `difftx presets`)", choices=tuple(PRESETS)))
+    preset: str | None = field(
+        default="tiny",
+        metadata=_help("model preset (see `difftx presets`)", choices=tuple(PRESETS)),
+    )
     attention: str = field(default="diff", metadata=_help("the attention kind", choices=ATTENTION_KINDS))
     model: dict[str, Any] = field(default_factory=dict, metadata=_help('ModelConfig overrides, e.g. {"n_layers": 4}'))
     init_from: str | None = field(
@@ -107,10 +110,10 @@ class TrainConfig:
             self.warmup_steps = min(375, self.max_steps // 10)
         check.text("data")
         check.text("out")
-        check.choice("preset", PRESETS)
+        check.text("init_from", optional=True)
+        check.choice("preset", (*PRESETS, None) if self.init_from else PRESETS)
         check.choice("attention", ATTENTION_KINDS)
         self._check_model_overrides(check)
-        check.text("init_from", optional=True)
         check.integer("seq_len", 1, 1 << 22, optional=True)
         check.integer("batch_size", 1, 1 << 20)
         check.integer("grad_accum", 1, self.batch_size)
@@ -265,6 +268,14 @@ def resume_config(run_dir: str | Path, max_steps: int | None = None, **changes: 
             )
         saved[name] = str(Path(value).resolve()) if name == "data" else value
         changed.append(name)
+    warmup = saved.get("warmup_steps")
+    if "max_steps" in changed and isinstance(warmup, int) and saved["max_steps"] < warmup:
+        raise ConfigError(
+            "TrainConfig",
+            "max_steps",
+            f"{saved['max_steps']} is below the run's warmup of {warmup} steps ({path} records it; unless given, it "
+            f"is min(375, max_steps / 10) of the run's first max_steps): give at least {warmup}",
+        )
     return _build(saved, str(run_dir), str(path), changed)
 
 

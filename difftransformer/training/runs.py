@@ -8,6 +8,7 @@ checkpoints. Nothing in it names the directory itself, so a copy resumes into th
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 from pathlib import Path
 
@@ -19,7 +20,14 @@ from difftransformer.core.model import TransformerLM
 from difftransformer.core.quantized import SCHEMES, quantized_shell
 from difftransformer.errors import InputError
 from difftransformer.fsutil import read_json_object, write_new_dir
-from difftransformer.training.checkpoint import list_checkpoints, load_model_tensors, save_checkpoint
+from difftransformer.training.checkpoint import (
+    CKPT_DIR,
+    MODEL_FILE,
+    PREFIX,
+    list_checkpoints,
+    load_model,
+    save_checkpoint,
+)
 from difftransformer.training.data import TokenData, eval_windows
 from difftransformer.training.tokenizer import Tokenizer, load_tokenizer
 
@@ -61,6 +69,51 @@ def is_unstarted_run(path: Path) -> bool:
     return (path / TRAIN_CONFIG).is_file() and not list_checkpoints(path)
 
 
+def names_checkpoint(path: Path) -> bool:
+    """Whether ``path`` names one checkpoint of a run (``RUN/checkpoints/step_N``) rather than a run."""
+    return path.parent.name == CKPT_DIR and path.name.startswith(PREFIX)
+
+
+def start_checkpoint(init_from: str | Path) -> tuple[Path, Path]:
+    """(run directory, checkpoint directory) that ``init_from`` names: a run (its newest checkpoint) or one of its
+    checkpoints (``RUN/checkpoints/step_N``)."""
+    path = Path(init_from)
+    if names_checkpoint(path):
+        if not (path / MODEL_FILE).is_file():
+            raise FileNotFoundError(f"checkpoint {path} (init_from) does not exist or has no {MODEL_FILE}")
+        return path.parent.parent, path
+    if not path.is_dir():
+        raise FileNotFoundError(f"`init_from` {path} is not a run directory (it does not exist or is a file)")
+    checkpoints = list_checkpoints(path)
+    if not checkpoints:
+        raise FileNotFoundError(f"`init_from` {path} has no checkpoint to start from")
+    return path, checkpoints[-1]
+
+
+def check_recorded(checkpoint: Path, meta: dict, config: ModelConfig, tokenizer: Tokenizer) -> None:
+    """The run's model_config.json and tokenizer are the ones ``checkpoint`` was written with, as its state.json
+    (``meta``) records them: a file replaced by another run's of the same shape would compute another function
+    without a word. Checkpoints written before the records existed are not checked."""
+    run = checkpoint.parent.parent
+    recorded = meta.get("model_config")
+    if isinstance(recorded, dict):
+        now = json.loads(json.dumps(config.to_dict()))
+        changed = sorted(k for k in recorded if now.get(k) != recorded[k])
+        if changed:
+            k = changed[0]
+            raise InputError(
+                f"{run / MODEL_CONFIG} is not the config {checkpoint.name} was written with ({k} is {now.get(k)!r}; "
+                f"its state.json says {recorded[k]!r}): the file was replaced or edited; put the original back"
+            )
+    fingerprint = meta.get("tokenizer")
+    if fingerprint is not None and fingerprint != tokenizer.fingerprint():
+        raise InputError(
+            f"the tokenizer in {run} ({tokenizer.fingerprint()}) is not the one {checkpoint.name} was written with "
+            f"({fingerprint}): a tokenizer file was replaced; copy the right one back (the run's data directory "
+            "holds it)"
+        )
+
+
 def check_weights(model: torch.nn.Module, tensors: dict[str, torch.Tensor], source: str, config: str) -> None:
     """Refuse weights whose names or shapes differ from the model's, naming the first difference."""
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
@@ -83,7 +136,7 @@ def save_run(model: TransformerLM, tokenizer: Tokenizer, out_dir: str | Path, me
     def write(tmp: Path) -> None:
         model.config.to_json(tmp / MODEL_CONFIG)
         tokenizer.save(tmp)
-        meta_all = {**meta, "model_config": model.config.to_dict()}
+        meta_all = {**meta, "model_config": model.config.to_dict(), "tokenizer": tokenizer.fingerprint()}
         save_checkpoint(tmp, step, model.state_dict(), {"state": {}, "param_groups": []}, meta_all, keep_last=1)
 
     write_new_dir(out_dir, "output directory", write)
@@ -91,9 +144,15 @@ def save_run(model: TransformerLM, tokenizer: Tokenizer, out_dir: str | Path, me
 
 
 def load_run(run_dir: str | Path, device: str | torch.device = "cpu") -> tuple[TransformerLM, Tokenizer]:
-    """(model in eval mode with the newest checkpoint's weights, tokenizer) of a run directory (a quantized run's
-    model has QuantizedLinear layers)."""
+    """(model in eval mode, tokenizer) of a run directory, with its newest checkpoint's weights, or of one checkpoint
+    of a run (``RUN/checkpoints/step_N``). A quantized run's model has QuantizedLinear layers. Weights that are not
+    finite (a run that diverged) are refused."""
     run = Path(run_dir)
+    checkpoint = None
+    if names_checkpoint(run) and run.is_dir():
+        run, checkpoint = run.parent.parent, run
+    if run.exists() and not run.is_dir():
+        raise InputError(f"{run} is a file, not a run directory")
     if not run.is_dir():
         raise FileNotFoundError(f"run directory {run} does not exist")
     if not (run / MODEL_CONFIG).is_file():
@@ -102,18 +161,33 @@ def load_run(run_dir: str | Path, device: str | torch.device = "cpu") -> tuple[T
     checkpoints = list_checkpoints(run)
     if not checkpoints:
         raise FileNotFoundError(f"{run} has no checkpoint (checkpoints/step_*/model.safetensors)")
-    tensors = load_model_tensors(checkpoints[-1])
+    checkpoint = checkpoint or checkpoints[-1]
+    tensors, meta = load_model(checkpoint)
+    tokenizer = load_tokenizer(run)
+    check_recorded(checkpoint, meta, config, tokenizer)
+    _refuse_nonfinite(tensors, checkpoint, checkpoints)
     quantization = read_quantization(run)
     with torch.device("meta"):
         model = TransformerLM(config)
         if quantization is not None:  # integer weights (difftx quantize), dequantized on first use
             quantized_shell(model, quantization["scheme"])
-    check_weights(model, tensors, str(checkpoints[-1] / "model.safetensors"), str(run / MODEL_CONFIG))
+    check_weights(model, tensors, str(checkpoint / MODEL_FILE), str(run / MODEL_CONFIG))
     with own_layout():
         model.load_state_dict(tensors, strict=True, assign=True)
     if config.tie_embeddings:
         model.lm_head.weight = model.embed.weight
-    return model.to(device).eval(), load_tokenizer(run)
+    return model.to(device).eval(), tokenizer
+
+
+def _refuse_nonfinite(tensors: dict[str, torch.Tensor], checkpoint: Path, checkpoints: list[Path]) -> None:
+    for name, tensor in tensors.items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            earlier = [p for p in checkpoints if p.name < checkpoint.name]
+            raise InputError(
+                f"{checkpoint / 'model.safetensors'} holds weights that are not finite ({name} has NaN or infinity): "
+                "the run had diverged when it was written. "
+                + (f"Use an earlier checkpoint: `run` {earlier[-1]}" if earlier else "It has no earlier checkpoint")
+            )
 
 
 def run_windows(

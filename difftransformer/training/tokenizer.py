@@ -43,7 +43,11 @@ class ByteTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
 
-    encode_prompt = encode
+    def encode_prompt(self, text: str) -> list[int]:
+        """A prompt's ids as the exported Hugging Face tokenizer gives them: a literal ``<|endoftext|>`` is the
+        end-of-text token, the rest UTF-8 bytes."""
+        parts = [self.encode(part) for part in text.split(EOT)]
+        return [i for n, part in enumerate(parts) for i in ([self.eot_id] if n else []) + part]
 
     def decode(self, ids: Iterable[int]) -> str:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
@@ -148,7 +152,7 @@ class HFTokenizer:
         spec = {"kind": self.kind, "vocab_size": self.vocab_size, "file": HF_FILE}
         if (self.eot, self.stop, self.bos) != (EOT, [], None):
             spec |= {"eot": self.eot, "stop": self.stop, "bos": self.bos}
-        _write_spec(directory, spec)
+        _write_spec(directory, spec | {"fingerprint": self.fingerprint()})
 
     def fingerprint(self) -> str:
         """Identifies the token stream a document becomes (the vocabulary, merges and end-of-text token)."""
@@ -285,12 +289,21 @@ def load_tokenizer(directory: str | Path) -> Tokenizer:
             and (bos is None or isinstance(bos, str))
         ):
             raise InputError(f"{spec_path} is damaged: file, eot, stop or bos has the wrong type")
-        return HFTokenizer.from_file(directory / file, eot=eot, stop=stop, bos=bos)
+        tokenizer = HFTokenizer.from_file(directory / file, eot=eot, stop=stop, bos=bos)
+        recorded = spec.get("fingerprint")
+        if recorded is not None and recorded != tokenizer.fingerprint():
+            raise InputError(
+                f"{directory / file} is not the tokenizer {spec_path} was saved with (its fingerprint is "
+                f"{tokenizer.fingerprint()}, the spec records {recorded}): the file was replaced or edited; copy the "
+                "right one back (the data directory prepared with it holds it)"
+            )
+        return tokenizer
     raise InputError(f"{spec_path} names an unknown tokenizer kind {spec.get('kind')!r}")
 
 
-def train_bpe(texts: Iterator[str], vocab_size: int, out_dir: str | Path) -> HFTokenizer:
-    """Train a byte-level BPE tokenizer locally (Hugging Face ``tokenizers``) and save it to ``out_dir``."""
+def train_bpe(texts: Iterable[str], vocab_size: int, out_dir: str | Path) -> HFTokenizer:
+    """Train a byte-level BPE tokenizer locally (Hugging Face ``tokenizers``) and save it to ``out_dir``. Its
+    vocabulary is smaller than ``vocab_size`` when the text holds fewer distinct merges; no text is an error."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     Fields.of("train_bpe", vocab_size=vocab_size).integer(
@@ -305,7 +318,16 @@ def train_bpe(texts: Iterator[str], vocab_size: int, out_dir: str | Path) -> HFT
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(texts, trainer=trainer)
+    seen = {"characters": 0}
+
+    def counted() -> Iterator[str]:
+        for text in texts:
+            seen["characters"] += len(text)
+            yield text
+
+    tok.train_from_iterator(counted(), trainer=trainer)
+    if not seen["characters"]:
+        raise InputError("the input holds no text to train a tokenizer on (every document is empty)")
     result = HFTokenizer(tok)
     result.save(out_dir)
     return result
