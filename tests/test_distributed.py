@@ -3,12 +3,14 @@ helpers on a single process."""
 
 import json
 import os
+import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
-from conftest import difftx, losses, small_config, train_args
+from conftest import difftx, losses, metric_rows, small_config, train_args
 
 from difftransformer.core.config import ModelConfig
 from difftransformer.core.model import TransformerLM
@@ -112,3 +114,91 @@ def test_full_state_round_trips_model_and_optimizer():
     first = [v for s in optim_sd["state"].values() for v in s.values() if torch.is_tensor(v)]
     second = [v for s in again_optim["state"].values() for v in s.values() if torch.is_tensor(v)]
     assert len(first) == len(second) > 0 and all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
+
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+ONE_THREAD = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def _ranks(launcher: subprocess.Popen) -> dict[int, int]:
+    """{rank: pid} of the worker processes torchrun started."""
+    children = subprocess.run(["pgrep", "-P", str(launcher.pid)], capture_output=True, text=True).stdout.split()
+    found = {}
+    for pid in children:
+        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        rank = [e for e in env if e.startswith(b"RANK=")]
+        if rank:
+            found[int(rank[0][5:])] = int(pid)
+    return found
+
+
+def _final_state(run):
+    model, optim, meta = load_checkpoint(list_checkpoints(run)[-1])
+    return model, optim["state"], meta["step"]
+
+
+@pytest.mark.slow
+def test_a_killed_process_restarts_the_group_which_resumes_bitwise(prepared, tmp_path):
+    """SIGKILL to one of two DDP processes after the step-10 checkpoint: torchrun (--max-restarts 1) restarts the
+    group, which resumes the run from its newest checkpoint (the same command, no --resume), and ends with the
+    weights and optimizer state of a group that was never interrupted, bit for bit (DDP with the same world size:
+    the same sums in the same order)."""
+    import time
+
+    flags = train_args(prepared, max_steps=40, ckpt_interval=10, eval_interval=20) + ["--parallel", "ddp"]
+    train = ["-m", "difftransformer", "train", *flags]
+    subprocess.run([*TORCHRUN, *train, "--out", str(tmp_path / "full")], env=ONE_THREAD, check=True, timeout=600)
+    run = tmp_path / "run"
+    launcher = subprocess.Popen(
+        [*TORCHRUN, "--max-restarts", "1", *train, "--out", str(run)], env=ONE_THREAD, stderr=subprocess.PIPE, text=True
+    )
+    deadline = time.time() + 300
+    while time.time() < deadline and not (
+        (run / "checkpoints" / "step_00000010").is_dir() and len(metric_rows(run)) >= 13
+    ):
+        time.sleep(0.05)
+    ranks = _ranks(launcher)
+    os.kill(ranks[1], signal.SIGKILL)
+    _, err = launcher.communicate(timeout=600)
+    assert launcher.returncode == 0, err[-3000:]
+    assert "difftx train: torchrun restart 1: resuming" in err
+    assert losses(run) == losses(tmp_path / "full")
+    (model, optim, step), (model_full, optim_full, step_full) = _final_state(run), _final_state(tmp_path / "full")
+    assert step == step_full == 40
+    for name, tensor in model_full.items():
+        assert torch.equal(model[name], tensor), name
+    for name, state in optim_full.items():
+        for key, value in state.items():
+            assert torch.equal(torch.as_tensor(optim[name][key]), torch.as_tensor(value)), (name, key)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", ["raise", "hang"])
+def test_a_failing_process_ends_the_group_with_its_error_once(prepared, tmp_path, fault):
+    """One process of two fails at step 5 (an error only it sees, or a hang). Every process ends, within a bound:
+    the other one at once when the failing one exits (its connections close), or after the collective timeout (5 s
+    here) when it hangs, and torchrun stops the rest. The error is printed once, the other process says in one
+    line why it stopped (exit 4), no traceback; the checkpoints written before stay."""
+    import time
+
+    run = tmp_path / "run"
+    flags = train_args(prepared, max_steps=40, ckpt_interval=2, collective_timeout=5) + ["--parallel", "ddp"]
+    env = {**ONE_THREAD, "DIFFTX_FAULT_RANK": "1", "DIFFTX_FAULT_STEP": "5", "DIFFTX_FAULT": fault}
+    start = time.time()
+    proc = subprocess.run(
+        [*TORCHRUN, str(Path(__file__).parent / "faults.py"), "train", *flags, "--out", str(run)],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    seconds = time.time() - start
+    assert proc.returncode != 0 and seconds < 150, (seconds, proc.stderr[-3000:])
+    lines = proc.stderr.splitlines()
+    injected = [line for line in lines if "is damaged (injected at step 5" in line]
+    assert injected == ([] if fault == "hang" else ["difftx train: error: shard train_000.bin of rank 1 is damaged "
+                        "(injected at step 5 by tests/faults.py)"])  # fmt: skip
+    failed = [line for line in lines if "the process group failed" in line]  # process 0's line, unless torchrun's
+    assert len(failed) == (1 if fault == "hang" else len(failed[:1]))  # SIGTERM comes first after an exit
+    assert all(f.startswith("difftx train: error: process 0 of 2 stopped: the process group failed (") for f in failed)
+    assert fault != "hang" or "Timed out waiting 5000ms for recv operation to complete" in failed[0]
+    assert not [line for line in lines if line.startswith("[rank")]  # no worker traceback
+    assert [p.name for p in list_checkpoints(run)][-1] == "step_00000004"
+    load_checkpoint(list_checkpoints(run)[-1])

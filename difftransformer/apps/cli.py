@@ -160,6 +160,11 @@ def _train(args: argparse.Namespace) -> int:
     given = {name: getattr(args, name) for name in fields if getattr(args, name) is not None}
     if args.model is not None:
         given["model"] = parse_json_object(args.model, "--model")
+    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    if not args.resume and restarts and args.out and (Path(args.out) / "train_config.json").is_file():
+        args.resume = args.out  # torchrun restarted the group after a failure: the run goes on where it stopped
+        if os.environ.get("RANK", "0") == "0":
+            print(f"difftx train: torchrun restart {restarts}: resuming {args.out}", file=sys.stderr, flush=True)
     if args.resume:
         cfg, resume = resume_config(args.resume, out=args.out, **given), True
     elif args.init_from and (clash := [name for name in ("preset", "attention", "model") if name in given]):
@@ -770,7 +775,8 @@ def _flag_namer(parser: argparse.ArgumentParser, owner: str | None = None):
 
 def main(argv: list[str] | None = None) -> int:
     """Run one command. Exit codes: 0 done, 2 bad input or a file problem (one line on stderr), 3 training
-    diverged, 130/143 interrupted by SIGINT/SIGTERM, 1 a defect (with its traceback: please report it)."""
+    diverged, 4 another process of the group failed (torchrun), 130/143 interrupted by SIGINT/SIGTERM, 1 a defect
+    (with its traceback: please report it)."""
     try:
         if _start_up_interrupted():
             return _fail("difftx", "stopped by SIGINT", code=130, label="interrupted")
@@ -841,9 +847,18 @@ def _main(argv: list[str] | None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes stdout
         return 0
     except RuntimeError as err:
-        if type(err).__name__ != "OutOfMemoryError":  # torch.OutOfMemoryError, without importing torch here
+        if type(err).__name__ == "OutOfMemoryError":  # torch.OutOfMemoryError, without importing torch here
+            first = str(err).splitlines()[0]
+            return _fail(where, f"out of memory on the device ({first}): use a smaller batch or model")
+        from difftransformer.training.distributed import group_failure
+
+        if (failure := group_failure(err)) is None:
             raise
-        return _fail(where, f"out of memory on the device ({str(err).splitlines()[0]}): use a smaller batch or model")
+        problem = (
+            f"{failure}: another process of the group stopped first (torchrun's report names it; its own error, if "
+            "it printed one, is above) or hangs (`collective_timeout`)"
+        )
+        return _fail(where, name_fields(problem, _flag_namer(args.parser)), code=4)
 
 
 def _fail(where: str, message: str, code: int = 2, label: str = "error") -> int:

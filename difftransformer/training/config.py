@@ -31,6 +31,7 @@ RESUMABLE = (
     "ckpt_interval",
     "keep_last",
     "max_nonfinite_steps",
+    "collective_timeout",
 )
 
 
@@ -100,6 +101,13 @@ class TrainConfig:
         default=5,
         metadata=_help("steps in a row with a NaN/Inf loss or gradient that are skipped before the run stops"),
     )
+    collective_timeout: int = field(
+        default=600,
+        metadata=_help(
+            "seconds a process waits for the others in a collective before the run fails (a process that hangs); more "
+            "than the slowest checkpoint write"
+        ),
+    )
 
     def __post_init__(self) -> None:
         if isinstance(self.betas, list):
@@ -144,6 +152,7 @@ class TrainConfig:
         check.choice("parallel", PARALLEL_MODES)
         check.integer("threads", 1, 1024, optional=True)
         check.integer("max_nonfinite_steps", 1, 1 << 20)
+        check.integer("collective_timeout", 1, 7 * 24 * 3600)
 
     def _check_model_overrides(self, check: Fields) -> None:
         if not isinstance(self.model, dict):
@@ -257,6 +266,8 @@ def resume_config(run_dir: str | Path, max_steps: int | None = None, **changes: 
     for name, value in changes.items():
         if value is None or value == saved.get(name, _DEFAULTS.get(name)):
             continue
+        if name in ("data", "init_from") and saved.get(name) and Path(value).resolve() == Path(saved[name]).resolve():
+            continue  # the same directory, named another way
         if name not in _DEFAULTS:
             raise ConfigError("TrainConfig", name, "is not a TrainConfig field")
         if name not in RESUMABLE:

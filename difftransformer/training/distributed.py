@@ -2,14 +2,19 @@
 
 Order: activation checkpointing per block, ``torch.compile`` per block, then data parallelism (DDP, or
 FSDP2's ``fully_shard`` per block and at the root). Under ``torchrun`` the process group is set up from the
-environment: NCCL on CUDA, gloo on CPU. State dicts go through ``torch.distributed.checkpoint.state_dict`` so
-that one checkpoint format (full, name-keyed tensors) serves a single process, DDP and FSDP alike.
+environment: NCCL on CUDA, gloo on CPU, with a collective timeout (``TrainConfig.collective_timeout``): a process
+that waits longer than that for the others fails instead of hanging (a process that died is seen at once: its
+connections close, and torchrun stops the rest of the group). State dicts go through
+``torch.distributed.checkpoint.state_dict`` so that one checkpoint format (full, name-keyed tensors) serves a single
+process, DDP and FSDP alike.
 """
 
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -38,19 +43,38 @@ class World:
         return self.rank == 0
 
 
-def init_world(device: str = "auto") -> World:
-    """Join the torchrun process group when there is one; pick the device."""
+def init_world(device: str = "auto", timeout: float = 600) -> World:
+    """Join the torchrun process group when there is one (collectives time out after ``timeout`` seconds); pick
+    the device."""
     size = int(os.environ.get("WORLD_SIZE", "1"))
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if size > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if device == "cuda" else "gloo")
+        backend = "nccl" if device == "cuda" else "gloo"
+        wait = timedelta(seconds=timeout)
+        store = _attempt_store(wait)
+        if store is None:
+            dist.init_process_group(backend, timeout=wait)
+        else:
+            dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]), world_size=size, timeout=wait)
     rank = dist.get_rank() if dist.is_initialized() else 0
     if device == "cuda":
         local = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local)
         return World(rank, size, torch.device("cuda", local))
     return World(rank, size, torch.device(device))
+
+
+def _attempt_store(timeout: timedelta):
+    """Under torchrun, whose agent's store outlives a restart of the group, that store with a prefix of its own for
+    this attempt (None elsewhere: the default rendezvous). Without it, a restarted group found the addresses its
+    dead processes had left in the store, and connecting to them failed or hung (gloo's connectFullMesh)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]), False, timeout
+    )
+    return dist.PrefixStore(f"difftx/attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
 def parallelize(
@@ -104,6 +128,22 @@ def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer, model_sd
     options = StateDictOptions(full_state_dict=True, strict=True)
     set_model_state_dict(inner, model_sd, options=options)
     set_optimizer_state_dict(inner, optimizer, optim_sd, options=options)
+
+
+def group_failure(err: BaseException) -> str | None:
+    """When ``err`` says that the process group broke (a process of it died, or a collective timed out), what
+    happened in a line, with this process's rank; None for any other error (a defect keeps its traceback)."""
+    if not dist.is_initialized() or not isinstance(err, RuntimeError):
+        return None
+    text = str(err)
+    broken = isinstance(err, getattr(dist, "DistError", ())) or any(
+        mark in text for mark in ("third_party/gloo", "Connection closed by peer", "Connection reset", "NCCL")
+    )
+    if not broken:
+        return None
+    first = text.strip().splitlines()[0] if text.strip() else type(err).__name__
+    detail = re.sub(r"^\[[^\]]*\]\s*", "", first).split(". ")[0]  # without the source location and the advice
+    return f"process {dist.get_rank()} of {dist.get_world_size()} stopped: the process group failed ({detail})"
 
 
 def all_reduce_max(value: torch.Tensor) -> torch.Tensor:

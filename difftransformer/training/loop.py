@@ -168,7 +168,8 @@ class Trainer:
         quiet: bool = False,
         on_step: Callable[[dict], None] | None = None,
     ):
-        self.cfg, self.world, self.quiet, self.on_step = cfg, world or init_world(cfg.device), quiet, on_step
+        self.cfg, self.quiet, self.on_step = cfg, quiet, on_step
+        self.world = world or init_world(cfg.device, cfg.collective_timeout)
         self.run_dir = Path(cfg.out)
         self.lock: RunLock | None = None
         self.created_dir = False  # this process made the run directory: a failed start removes it
