@@ -580,7 +580,7 @@ class Trainer:
             state = f"its newest checkpoint, {calm}, is intact"
         else:
             state = f"its newest checkpoint, {checkpoints[-1]}, is intact but was written during a loss spike" + (
-                f"; the newest from before the spike is {calm}" if calm else ", as were the ones before it"
+                f"; the newest from before the spike is {calm}" if calm else "; none is from before the spike"
             )
         restart = calm or (Path(self.cfg.init_from) if self.cfg.init_from else None)  # else from scratch
         remedy = f"start a new run from {restart} (`init_from`)" if restart else "start again"
