@@ -272,6 +272,15 @@ def test_a_checkpoint_that_gives_nan_is_refused_by_resume_init_from_and_generate
     step8.rename(run / "checkpoints" / "diverged-step_00000008")  # the advice
     assert main(["train", "--resume", str(run), "--quiet"]) == 0
 
+    only = tmp_path / "only"  # a run whose only checkpoint is not healthy: the command that starts it again
+    train(small_config(prepared, only, max_steps=4), quiet=True)
+    _blow_up(only, 4)
+    assert main(["train", "--resume", str(only), "--max-steps", "8", "--quiet"]) == 3
+    message = capsys.readouterr().err.strip()
+    assert "It is the run's only checkpoint: start again with a lower --lr (e.g. 0.00015): difftx train" in message
+    assert main(_restart_argv(message)) == 0
+    assert metric_rows(f"{only}-lr0.00015")[-1]["step"] == 8
+
 
 @pytest.mark.slow
 def test_weights_that_are_not_finite_are_refused_with_the_checkpoint_before(prepared, tmp_path, capsys):

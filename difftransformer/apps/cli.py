@@ -177,7 +177,12 @@ def _train(args: argparse.Namespace) -> int:
     else:
         out = args.out or f"runs/{given.get('attention', 'diff')}-{given.get('preset', 'tiny')}"
         cfg, resume = TrainConfig(**given, out=out), False
-    trainer = Trainer(cfg, resume=resume, quiet=args.quiet)
+    try:
+        trainer = Trainer(cfg, resume=resume, quiet=args.quiet)
+    except TrainingDiverged as err:  # the run's newest checkpoint is not healthy
+        if err.lr is not None:
+            err.args = (f"{err}: {_restart_command(cfg, err)}",)
+        raise
     main = trainer.world.is_main
     try:
         if trainer.step_idx >= cfg.max_steps:

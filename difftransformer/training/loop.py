@@ -377,8 +377,9 @@ class Trainer:
                     f"{newest.parent / ('diverged-' + newest.name)}; or start a new run from an earlier checkpoint "
                     "with `init_from` and a lower `lr`"
                     if earlier
-                    else "It is the run's only checkpoint: start again with a lower `lr`"
-                )
+                    else f"It is the run's only checkpoint: start again with a lower `lr` (e.g. {self.cfg.lr / 10:.3g})"
+                ),
+                lr=None if earlier else float(f"{self.cfg.lr / 10:.3g}"),
             )
         self.probe_best = min(meta.get("probe_best", loss), loss)
         self.watch = LossWatch(meta.get("loss_watch"))
