@@ -160,11 +160,12 @@ def _train(args: argparse.Namespace) -> int:
     given = {name: getattr(args, name) for name in fields if getattr(args, name) is not None}
     if args.model is not None:
         given["model"] = parse_json_object(args.model, "--model")
+    out = args.out or f"runs/{given.get('attention', 'diff')}-{given.get('preset', 'tiny')}"
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
-    if not args.resume and restarts and args.out and (Path(args.out) / "train_config.json").is_file():
-        args.resume = args.out  # torchrun restarted the group after a failure: the run goes on where it stopped
+    if not args.resume and restarts and (Path(out) / "train_config.json").is_file():
+        args.resume = args.out = out  # torchrun restarted the group after a failure: the run goes on where it stopped
         if os.environ.get("RANK", "0") == "0":
-            print(f"difftx train: torchrun restart {restarts}: resuming {args.out}", file=sys.stderr, flush=True)
+            print(f"difftx train: torchrun restart {restarts}: resuming {out}", file=sys.stderr, flush=True)
     if args.resume:
         cfg, resume = resume_config(args.resume, out=args.out, **given), True
     elif args.init_from and (clash := [name for name in ("preset", "attention", "model") if name in given]):
@@ -175,11 +176,12 @@ def _train(args: argparse.Namespace) -> int:
     elif not args.data:
         raise InputError("difftx train needs --data (a directory made by 'difftx data prepare') or --resume RUN")
     else:
-        out = args.out or f"runs/{given.get('attention', 'diff')}-{given.get('preset', 'tiny')}"
         cfg, resume = TrainConfig(**given, out=out), False
     try:
         trainer = Trainer(cfg, resume=resume, quiet=args.quiet)
     except TrainingDiverged as err:  # the run's newest checkpoint is not healthy
+        if os.environ.get("RANK", "0") != "0":  # every process finds it; the main one says it, once
+            return 3
         if err.lr is not None:
             err.args = (f"{err}: {_restart_command(cfg, err)}",)
         raise
