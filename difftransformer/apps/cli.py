@@ -180,11 +180,7 @@ def _train(args: argparse.Namespace) -> int:
     try:
         trainer = Trainer(cfg, resume=resume, quiet=args.quiet)
     except TrainingDiverged as err:  # the run's newest checkpoint is not healthy
-        if os.environ.get("RANK", "0") != "0":  # every process finds it; the main one says it, once
-            return 3
-        if err.lr is not None:
-            err.args = (f"{err}: {_restart_command(cfg, err)}",)
-        raise
+        return _diverged(err, cfg, main=os.environ.get("RANK", "0") == "0")
     main = trainer.world.is_main
     try:
         if trainer.step_idx >= cfg.max_steps:
@@ -214,10 +210,7 @@ def _train(args: argparse.Namespace) -> int:
         err.args = (f"{err}. Resume with: difftx train --resume {cfg.out}",)
         raise
     except TrainingDiverged as err:
-        if not main:
-            return 3
-        err.args = (f"{err}: {_restart_command(cfg, err)}",)
-        raise
+        return _diverged(err, cfg, main)
     finally:
         trainer.close()
     if main:
@@ -250,6 +243,16 @@ def _check_utf8(text: str, flag: str) -> None:
             f"{flag} is not valid UTF-8 ({what} at position {err.start}): give text in UTF-8 (check the terminal's "
             "encoding)"
         ) from None
+
+
+def _diverged(err, cfg: TrainConfig, main: bool) -> int:
+    """A diverged run, said once (every process stops on it; the main one says it): the error, re-raised with the
+    command that starts again appended when it suggests a learning rate."""
+    if not main:
+        return 3
+    if err.lr is not None:
+        err.args = (f"{err}: {_restart_command(cfg, err)}",)
+    raise err
 
 
 def _restart_command(cfg: TrainConfig, err) -> str:

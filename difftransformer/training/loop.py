@@ -64,6 +64,7 @@ from difftransformer.training.runs import (
     check_recorded,
     check_weights,
     is_unstarted_run,
+    refuse_changed,
     refuse_quantized,
     start_checkpoint,
 )
@@ -347,16 +348,12 @@ class Trainer:
     def _check_recipe(self, checkpoint: Path, recorded: dict | None) -> None:
         """train_config.json holds the recipe ``checkpoint`` was trained with (what a resume may change aside): one
         replaced by another run's would go on training these weights with another recipe."""
-        now = json.loads(json.dumps(self._recipe()))
-        kept = [k for k in recorded or {} if k not in (*RESUMABLE, "init_from") and k in now]  # init_from: used
-        changed = sorted(k for k in kept if now[k] != recorded[k])  # before the first checkpoint only
-        if changed:
-            k = changed[0]
-            raise InputError(
-                f"{self.run_dir / TRAIN_CONFIG} is not the recipe {checkpoint.name} was trained with ({k} is "
-                f"{now[k]!r}; its state.json says {recorded[k]!r}): the file was replaced or edited; put the original "
-                "back"
-            )
+        if recorded is None:
+            return
+        now = self._recipe()
+        skip = {*RESUMABLE, "init_from", *(set(recorded) - set(now))}  # init_from: used before the first checkpoint
+        what = f"the recipe {checkpoint.name} was trained with"
+        refuse_changed(self.run_dir / TRAIN_CONFIG, what, now, recorded, skip)
 
     def _load_newest(self) -> None:
         newest = self.checkpoints[-1]
@@ -377,9 +374,9 @@ class Trainer:
                     f"{newest.parent / ('diverged-' + newest.name)}; or start a new run from an earlier checkpoint "
                     "with `init_from` and a lower `lr`"
                     if earlier
-                    else f"It is the run's only checkpoint: start again with a lower `lr` (e.g. {self.cfg.lr / 10:.3g})"
+                    else f"It is the run's only checkpoint: start again with a lower `lr` (e.g. {self._lower_lr():g})"
                 ),
-                lr=None if earlier else float(f"{self.cfg.lr / 10:.3g}"),
+                lr=None if earlier else self._lower_lr(),
             )
         self.probe_best = min(meta.get("probe_best", loss), loss)
         self.watch = LossWatch(meta.get("loss_watch"))
@@ -569,11 +566,15 @@ class Trainer:
         if self.nonfinite_in_a_row >= limit:
             raise self._diverged(f"{limit} steps in a row (to step {row['step']}) had a non-finite loss or gradient")
 
+    def _lower_lr(self) -> float:
+        """The learning rate a diverged run's message suggests: a tenth of its own, to 3 digits."""
+        return float(f"{self.cfg.lr / 10:.3g}")
+
     def _diverged(self, reason: str) -> TrainingDiverged:
         """The error that stops a diverged run: what happened, which checkpoint is intact and how to go on."""
         checkpoints = list_checkpoints(self.run_dir)
         calm = newest_calm(self.run_dir)
-        lr = float(f"{self.cfg.lr / 10:.3g}")
+        lr = self._lower_lr()
         if not checkpoints:
             removed = self.created_dir and self.saved_step is None  # fit() removes it
             state = f"it had written no checkpoint{f', so {self.run_dir} was removed' if removed else ''}"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -90,6 +91,20 @@ def start_checkpoint(init_from: str | Path) -> tuple[Path, Path]:
     return path, checkpoints[-1]
 
 
+def refuse_changed(file: Path, what: str, now: dict, recorded: dict, skip: Iterable[str] = ()) -> None:
+    """Refuse a config ``file`` whose values ``now`` differ from those a checkpoint's state.json ``recorded`` (the
+    keys in ``skip`` aside), naming the first field that differs: ``file`` is not ``what`` (e.g. "the config
+    step_00000010 was written with")."""
+    now = json.loads(json.dumps(now))  # as JSON holds it: tuples are lists
+    changed = sorted(k for k in recorded if k not in skip and now.get(k) != recorded[k])
+    if changed:
+        k = changed[0]
+        raise InputError(
+            f"{file} is not {what} ({k} is {now.get(k)!r}; its state.json says {recorded[k]!r}): the file was replaced "
+            "or edited; put the original back"
+        )
+
+
 def check_recorded(checkpoint: Path, meta: dict, config: ModelConfig, tokenizer: Tokenizer) -> None:
     """The run's model_config.json and tokenizer are the ones ``checkpoint`` was written with, as its state.json
     (``meta``) records them: a file replaced by another run's of the same shape would compute another function
@@ -97,14 +112,7 @@ def check_recorded(checkpoint: Path, meta: dict, config: ModelConfig, tokenizer:
     run = checkpoint.parent.parent
     recorded = meta.get("model_config")
     if isinstance(recorded, dict):
-        now = json.loads(json.dumps(config.to_dict()))
-        changed = sorted(k for k in recorded if now.get(k) != recorded[k])
-        if changed:
-            k = changed[0]
-            raise InputError(
-                f"{run / MODEL_CONFIG} is not the config {checkpoint.name} was written with ({k} is {now.get(k)!r}; "
-                f"its state.json says {recorded[k]!r}): the file was replaced or edited; put the original back"
-            )
+        refuse_changed(run / MODEL_CONFIG, f"the config {checkpoint.name} was written with", config.to_dict(), recorded)
     fingerprint = meta.get("tokenizer")
     if fingerprint is not None and fingerprint != tokenizer.fingerprint():
         raise InputError(
@@ -184,7 +192,7 @@ def _refuse_nonfinite(tensors: dict[str, torch.Tensor], checkpoint: Path, checkp
         if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
             earlier = [p for p in checkpoints if p.name < checkpoint.name]
             raise InputError(
-                f"{checkpoint / 'model.safetensors'} holds weights that are not finite ({name} has NaN or infinity): "
+                f"{checkpoint / MODEL_FILE} holds weights that are not finite ({name} has NaN or infinity): "
                 "the run had diverged when it was written. "
                 + (f"Use an earlier checkpoint: `run` {earlier[-1]}" if earlier else "It has no earlier checkpoint")
             )
