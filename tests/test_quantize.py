@@ -147,3 +147,17 @@ def test_eval_runs_a_quantized_run(trained, tmp_path, capsys):
     out = capsys.readouterr().out
     result = json.loads(out[out.index("{") :])
     assert result["ours"]["bits_per_byte"] > 0 and result["lm_eval"].startswith("skipped")
+
+
+def test_bench_quantized_names_the_runs_not_their_paths(trained, tmp_path, capsys):
+    """The result of `difftx bench quantized` is committed with the benchmarks: it names the runs by their directory
+    names, never a path of the machine it ran on."""
+    from difftransformer.inference.quantize import quantize_run
+
+    quantize_run(trained, "w8a16", tmp_path / "q")
+    out = tmp_path / "bench.json"
+    assert main(["bench", "quantized", "--run", str(tmp_path / "q"), "--context", "8", "--tokens", "2", "--repeats",
+                 "1", "--json", str(out)]) == 0  # fmt: skip
+    shapes = json.loads(out.read_text())["shapes"]
+    assert (shapes["run"], shapes["source"]) == ("q", "run")
+    assert str(tmp_path) not in out.read_text() and str(tmp_path) not in capsys.readouterr().out

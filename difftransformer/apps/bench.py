@@ -581,7 +581,8 @@ def bench_quantized(run: str | Path, contexts: list[int], tokens: int = 32, repe
     with _Calls.tracking("decode", len(contexts) * repeats * len(models)):
         rows = _decode_rows(models, contexts, tokens, repeats)
     cfg = models["float"].config
-    shapes = dict(run=str(run), source=str(source), scheme=spec["scheme"], attention=cfg.attention, batch=1,
+    # the runs by name: a result names no path of the machine it ran on
+    shapes = dict(run=run.resolve().name, source=source.name, scheme=spec["scheme"], attention=cfg.attention, batch=1,
                   d_model=cfg.d_model, n_layers=cfg.n_layers, new_tokens=tokens, bytes=sizes)  # fmt: skip
     return _result("quantized", shapes, repeats, rows)
 
