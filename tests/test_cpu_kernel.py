@@ -208,5 +208,78 @@ def test_prefill_through_the_cache_equals_a_full_forward(kernel):
 
 def test_the_kernel_refuses_a_mask_it_cannot_read_by_rows(kernel):
     q, k, v, lam = inputs(1, 2, 1, 20, 20, 8, torch.float64)
-    with pytest.raises(RuntimeError, match=r"mask must be a contiguous boolean \(B\|1, Tq, Tk\) tensor"):
+    with pytest.raises(RuntimeError, match=r"mask must be a contiguous boolean CPU tensor \(B\|1, Tq, Tk\)"):
         fused(q, k, v, lam, True, torch.ones(1, 1, 1, 20, dtype=torch.bool))  # query axis not expanded
+
+
+def _good():
+    """Valid arguments of the op itself: q (1, 2, 2, 6, 4), k (1, 1, 2, 6, 4), v (1, 1, 6, 8), a lambda tensor."""
+    q, k, v, lam = (t.detach() for t in inputs(1, 2, 1, 6, 6, 4, torch.float32))
+    return {"q": q, "k": k, "v": v, "lam": lam, "scale": 0.5, "causal": True, "mask": None, "block": 4}
+
+
+BAD_INPUTS = {  # what is changed in the good arguments -> what the error must say
+    "q on the meta device": ({"q": _good()["q"].to("meta")}, r"Meta|meta"),
+    "k on the meta device": ({"k": _good()["k"].to("meta")}, r"Meta|meta"),
+    "half-precision inputs": (
+        {"q": _good()["q"].half(), "k": _good()["k"].half(), "v": _good()["v"].half()},
+        "float32 or float64 inputs",
+    ),
+    "dtypes that differ": ({"v": _good()["v"].double()}, "must have one dtype"),
+    "q not 5-D": ({"q": _good()["q"][:, :, 0]}, "must be 5-D"),
+    "q without two halves": ({"q": _good()["q"][:, :, :1]}, "two halves"),
+    "heads not a multiple of the groups": (
+        {"q": torch.randn(1, 3, 2, 6, 4), "k": torch.randn(1, 2, 2, 6, 4), "v": torch.randn(1, 2, 6, 8)},
+        "3 query heads must be a multiple of the 2 key/value heads",
+    ),
+    "v with extra rows": ({"v": torch.randn(1, 1, 9, 8)}, "k holds 6 positions and v 9"),
+    "v with too few rows": ({"v": torch.randn(1, 1, 3, 8)}, "k holds 6 positions and v 3"),
+    "batch sizes differ": ({"v": torch.randn(2, 1, 6, 8)}, "batch sizes differ"),
+    "head widths differ": ({"k": torch.randn(1, 1, 2, 6, 5)}, "head widths differ"),
+    "last dimension not dense": ({"q": torch.randn(1, 2, 2, 6, 8)[..., ::2]}, "must be dense"),
+    "lambda with two values": ({"lam": torch.tensor([0.5, 0.5])}, "lambda must hold one value"),
+    "a zero block": ({"block": 0}, "block must be positive, got 0"),
+    "a negative block": ({"block": -3}, "block must be positive"),
+    "a float mask": ({"mask": torch.ones(1, 6, 6)}, "mask must be a contiguous boolean CPU tensor"),
+    "a mask of the wrong length": ({"mask": torch.ones(1, 6, 5, dtype=torch.bool)}, "mask must be"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_INPUTS, ids=list(BAD_INPUTS))
+@pytest.mark.parametrize("op", ["forward", "backward"])
+def test_the_op_refuses_each_bad_input_with_a_clear_error(kernel, case, op):
+    """Called directly, each op checks every input before its loops run: a clear error, never a hang (a zero
+    block looped forever), a crash or silently cut data (extra v rows were dropped)."""
+    change, message = BAD_INPUTS[case]
+    args = _good() | change
+    if op == "forward":
+        call = lambda: torch.ops.difftx.diff_block_forward(*args.values())  # noqa: E731
+    else:
+        grad = torch.randn(1, 6, 2, 8, dtype=torch.float32)
+        call = lambda: torch.ops.difftx.diff_block_backward(grad, *args.values())  # noqa: E731
+    with pytest.raises((RuntimeError, NotImplementedError), match=message):
+        call()
+
+
+def test_the_ops_pass_with_the_good_arguments(kernel):
+    """The arguments the bad cases change are themselves accepted (so each refusal is for the change alone)."""
+    args = _good()
+    out = torch.ops.difftx.diff_block_forward(*args.values())
+    assert out.shape == (1, 6, 2, 8)
+    grads = torch.ops.difftx.diff_block_backward(torch.randn(1, 6, 2, 8), *args.values())
+    assert [tuple(g.shape) for g in grads] == [(1, 2, 2, 6, 4), (1, 1, 2, 6, 4), (1, 1, 6, 8), ()]
+
+
+@pytest.mark.parametrize("grad_shape", [(1, 6, 2, 7), (1, 5, 2, 8), (6, 2, 8)])
+def test_the_backward_refuses_a_grad_out_of_another_shape(kernel, grad_shape):
+    with pytest.raises(RuntimeError, match=r"grad_out must be \(B, Tq, H, dv\) = \(1, 6, 2, 8\)"):
+        torch.ops.difftx.diff_block_backward(torch.randn(grad_shape), *_good().values())
+
+
+def test_the_op_is_registered_for_the_cpu_key_only(kernel):
+    """No catch-all kernel: the dispatcher refuses a CUDA or meta tensor before the raw loops could read it."""
+    for name in ("diff_block_forward", "diff_block_backward"):
+        op = getattr(torch.ops.difftx, name).default
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CPU")
+        for key in ("CUDA", "Meta", "CompositeImplicitAutograd", "CompositeExplicitAutograd"):
+            assert not torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), key), key

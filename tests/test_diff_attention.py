@@ -9,7 +9,7 @@ from reference import diff_attn_v1
 
 from difftransformer import MultiheadDiffAttn
 from difftransformer.core.attention import kernels
-from difftransformer.core.attention.diff import differential_attention
+from difftransformer.core.attention.diff import differential_attention, method_of
 
 IMPLS = ("sdpa", "block", "plain")
 
@@ -119,12 +119,15 @@ def test_non_causal_sees_the_future():
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("num_kv_heads", [4, 2])
 def test_fast_paths_equal_plain_path_float32(causal, num_kv_heads):
+    """One module per impl, built from one state dict (so each runs its own method)."""
     torch.manual_seed(3)
-    attn = make_attn(embed_dim=128, num_kv_heads=num_kv_heads, dtype=torch.float32, causal=causal)
+    state = make_attn(embed_dim=128, num_kv_heads=num_kv_heads, dtype=torch.float32, causal=causal).state_dict()
     x = torch.randn(2, 77, 128, requires_grad=True)
     outs, grads = {}, {}
     for impl in IMPLS:
-        attn.impl = impl
+        attn = make_attn(embed_dim=128, num_kv_heads=num_kv_heads, dtype=torch.float32, causal=causal, impl=impl)
+        attn.load_state_dict(state)
+        assert attn.method is method_of(impl)
         outs[impl] = attn(x)
         grads[impl] = torch.autograd.grad(outs[impl].square().sum(), [x, *attn.parameters()])
     for impl in ("sdpa", "block"):
@@ -228,7 +231,9 @@ def test_bad_dimensions_raise_clear_errors(args, message):
 
 
 def test_odd_half_head_without_rope_is_fine():
-    MultiheadDiffAttn(24, 4, 0, rope_theta=None)(torch.randn(1, 3, 24))
+    attn = MultiheadDiffAttn(24, 4, 0, rope_theta=None)  # half-heads of 3: odd, allowed without rotary
+    out = attn(torch.randn(1, 3, 24))
+    assert attn.head_dim == 3 and out.shape == (1, 3, 24) and torch.isfinite(out).all()
 
 
 def test_bad_masks_raise_clear_errors():
@@ -280,5 +285,11 @@ def test_every_impl_name_has_one_method_chosen_when_the_module_is_built():
         assert MultiheadDiffAttn(64, 2, 0, impl=impl).method is kernels.METHODS[impl]
     with pytest.raises(ValueError, match="unknown impl 'flash'; choose one of"):
         MultiheadDiffAttn(64, 2, 0, impl="flash")
+    attn = MultiheadDiffAttn(64, 2, 0, impl="auto")
+    attn.impl = "block"  # assigning after construction switches the method too (it was bound once, silently)
+    assert attn.method is kernels.METHODS["block"] and attn.impl == "block"
+    with pytest.raises(ValueError, match="unknown impl 'flash'"):
+        attn.impl = "flash"
+    assert attn.impl == "block"
     with pytest.raises(ValueError, match="unknown fast differential attention method 'plain'"):
         kernels.diff_method("plain")  # the materialised method is diff.differential_attention

@@ -150,19 +150,19 @@ class _FusedBlockDiffAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, lambda_full, scale, causal, mask, block):
         mask = None if mask is None else mask[:, 0].contiguous()  # (B|1, 1, Tq, Tk) -> the kernel's (B|1, Tq, Tk)
-        lam = float(lambda_full)
+        lam = lambda_full.detach()  # passed as a tensor: the kernel reads it, the caller never syncs on it
         out = torch.ops.difftx.diff_block_forward(q, k, v, lam, scale, causal, mask, block)
-        ctx.save_for_backward(q, k, v, mask)
-        ctx.lam, ctx.scale, ctx.causal, ctx.block, ctx.lam_dtype = lam, scale, causal, block, lambda_full.dtype
+        ctx.save_for_backward(q, k, v, mask, lam)
+        ctx.scale, ctx.causal, ctx.block, ctx.lam_dtype = scale, causal, block, lambda_full.dtype
         return out  # (B, Tq, H, 2d)
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, mask = ctx.saved_tensors
+        q, k, v, mask, lam = ctx.saved_tensors
         dq, dk, dv, dlam = torch.ops.difftx.diff_block_backward(
-            grad_out, q, k, v, ctx.lam, ctx.scale, ctx.causal, mask, ctx.block
+            grad_out, q, k, v, lam, ctx.scale, ctx.causal, mask, ctx.block
         )
-        return dq, dk, dv, dlam.to(ctx.lam_dtype), None, None, None, None
+        return dq, dk, dv, dlam.to(ctx.lam_dtype).reshape(lam.shape), None, None, None, None
 
 
 def build() -> str:

@@ -104,7 +104,7 @@ class MultiheadDiffAttn(AttentionBase):
         1 - lambda_init); ``lambda_init`` replaces the layer schedule by a constant."""
         what = "two half-heads per differential head"
         super().__init__(embed_dim, num_heads, layer_idx, num_kv_heads, rope_theta, causal, 2, what, rope_scaling)
-        self.impl, self.method = impl, method_of(impl)
+        self.impl = impl
         d, num_kv_heads = self.head_dim, self.num_kv_heads
         self.q_proj = nn.Linear(embed_dim, 2 * num_heads * d, bias=False)
         self.k_proj = nn.Linear(embed_dim, 2 * num_kv_heads * d, bias=False)
@@ -117,6 +117,16 @@ class MultiheadDiffAttn(AttentionBase):
         self.lambda_k2 = nn.Parameter(torch.empty(d, dtype=torch.float32))
         self.subln = RMSNorm(2 * d, eps=norm_eps) if head_norm else None
         self.reset_lambda()
+
+    @property
+    def impl(self) -> str:
+        """The exact method this module runs (``DIFF_IMPLS``); assigning another switches to it."""
+        return self._impl
+
+    @impl.setter
+    def impl(self, impl: str) -> None:
+        self.method = method_of(impl)
+        self._impl = impl
 
     @classmethod
     def from_config(cls, cfg: ModelConfig, layer_idx: int) -> MultiheadDiffAttn:

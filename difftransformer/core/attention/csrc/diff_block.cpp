@@ -90,12 +90,50 @@ struct Shapes {
 };
 
 Shapes shapes_of(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal) {
-  TORCH_CHECK(q.dim() == 5 && k.dim() == 5 && v.dim() == 4, "diff_block: q, k must be 5-D and v 4-D");
-  Shapes s{q.size(0), q.size(1), k.size(1), q.size(1) / k.size(1), q.size(3), k.size(3), q.size(4), v.size(3),
-           k.size(3) - q.size(3), causal};
-  TORCH_CHECK(s.h % s.hkv == 0 && q.size(2) == 2 && k.size(2) == 2, "diff_block: bad head layout");
-  TORCH_CHECK(q.stride(4) == 1 && k.stride(4) == 1 && v.stride(3) == 1, "diff_block: last dims must be dense");
-  return s;
+  return Shapes{q.size(0), q.size(1), k.size(1), q.size(1) / k.size(1), q.size(3), k.size(3), q.size(4), v.size(3),
+                k.size(3) - q.size(3), causal};
+}
+
+// Every input as the loops read it, checked before any loop runs: CPU, one floating dtype (float32 or float64),
+// the head layout, matching sizes (a v or grad_out of another length is refused, not cut), a dense last dimension
+// (the products read rows through ATen; the mask and grad_out are read by pointer), a one-element lambda and a
+// positive block.
+void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& lambda,
+                  int64_t block, const at::Tensor* grad_out) {
+  for (const at::Tensor* t : {&q, &k, &v, &lambda}) TORCH_CHECK(t->defined(), "diff_block: an input is undefined");
+  TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu() && lambda.device().is_cpu(),
+              "diff_block: the fused kernel runs on CPU tensors only, got q on ", q.device(), ", k on ", k.device(),
+              ", v on ", v.device(), ", lambda on ", lambda.device(), "; use impl 'sdpa' or 'block' elsewhere");
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kDouble,
+              "diff_block: float32 or float64 inputs, got q of ", q.scalar_type());
+  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
+              "diff_block: q, k and v must have one dtype, got ", q.scalar_type(), ", ", k.scalar_type(), " and ",
+              v.scalar_type());
+  TORCH_CHECK(q.dim() == 5 && k.dim() == 5 && v.dim() == 4,
+              "diff_block: q (B, H, 2, Tq, d) and k (B, Hkv, 2, Tk, d) must be 5-D and v (B, Hkv, Tk, dv) 4-D, got ",
+              q.dim(), "-D, ", k.dim(), "-D and ", v.dim(), "-D");
+  TORCH_CHECK(q.size(2) == 2 && k.size(2) == 2, "diff_block: q and k must hold two halves in dim 2, got ", q.size(2),
+              " and ", k.size(2));
+  TORCH_CHECK(k.size(1) > 0 && q.size(1) % k.size(1) == 0, "diff_block: the ", q.size(1),
+              " query heads must be a multiple of the ", k.size(1), " key/value heads");
+  TORCH_CHECK(k.size(0) == q.size(0) && v.size(0) == q.size(0), "diff_block: batch sizes differ: q ", q.size(0),
+              ", k ", k.size(0), ", v ", v.size(0));
+  TORCH_CHECK(v.size(1) == k.size(1), "diff_block: k has ", k.size(1), " heads, v ", v.size(1));
+  TORCH_CHECK(k.size(4) == q.size(4), "diff_block: q and k head widths differ: ", q.size(4), " and ", k.size(4));
+  TORCH_CHECK(v.size(2) == k.size(3), "diff_block: k holds ", k.size(3), " positions and v ", v.size(2),
+              "; they must be equal");
+  TORCH_CHECK(q.stride(4) == 1 && k.stride(4) == 1 && v.stride(3) == 1,
+              "diff_block: the last dimension of q, k and v must be dense (stride 1): call .contiguous()");
+  TORCH_CHECK(lambda.numel() == 1, "diff_block: lambda must hold one value, got ", lambda.numel());
+  TORCH_CHECK(block > 0, "diff_block: block must be positive, got ", block);
+  if (grad_out != nullptr) {
+    TORCH_CHECK(grad_out->defined() && grad_out->device().is_cpu() && grad_out->scalar_type() == q.scalar_type(),
+                "diff_block: grad_out must be a CPU tensor of q's dtype ", q.scalar_type());
+    TORCH_CHECK(grad_out->dim() == 4 && grad_out->size(0) == q.size(0) && grad_out->size(1) == q.size(3) &&
+                    grad_out->size(2) == q.size(1) && grad_out->size(3) == v.size(3),
+                "diff_block: grad_out must be (B, Tq, H, dv) = (", q.size(0), ", ", q.size(3), ", ", q.size(1), ", ",
+                v.size(3), "), got ", grad_out->sizes());
+  }
 }
 
 // Keys query row i of a block may reach: all Tk, or up to i + offset under causality (at least none).
@@ -243,42 +281,51 @@ std::vector<at::Tensor> backward_impl(const at::Tensor& grad_out, const at::Tens
   return {dq, dk, dv, at::scalar_tensor(dlam, q.options())};
 }
 
-// The mask as the loops read it: undefined, or boolean (B|1, Tq, Tk) contiguous (a broadcast query axis must be
-// expanded by the caller; the rows are read by index).
+// The mask as the loops read it: undefined, or boolean (B|1, Tq, Tk) contiguous on CPU (a broadcast query axis
+// must be expanded by the caller; the rows are read by index).
 at::Tensor checked_mask(const c10::optional<at::Tensor>& mask, const at::Tensor& q, const at::Tensor& k) {
-  if (!mask.has_value()) return at::Tensor();
+  if (!mask.has_value() || !mask->defined()) return at::Tensor();
   const at::Tensor& m = *mask;
-  TORCH_CHECK(m.scalar_type() == at::kBool && m.dim() == 3 && m.is_contiguous() &&
+  TORCH_CHECK(m.device().is_cpu() && m.scalar_type() == at::kBool && m.dim() == 3 && m.is_contiguous() &&
                   (m.size(0) == 1 || m.size(0) == q.size(0)) && m.size(1) == q.size(3) && m.size(2) == k.size(3),
-              "diff_block: mask must be a contiguous boolean (B|1, Tq, Tk) tensor");
+              "diff_block: mask must be a contiguous boolean CPU tensor (B|1, Tq, Tk) = (1 or ", q.size(0), ", ",
+              q.size(3), ", ", k.size(3), "), got ", m.scalar_type(), " ", m.sizes(), " on ", m.device());
   return m;
 }
 
-at::Tensor diff_block_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double lambda,
+at::Tensor diff_block_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& lam,
                               double scale, bool causal, const c10::optional<at::Tensor>& mask, int64_t block) {
+  check_inputs(q, k, v, lam, block, nullptr);
   const at::Tensor m = checked_mask(mask, q, k);
+  const double lambda = lam.item<double>();  // a CPU tensor: a read, not a device synchronisation
   if (q.scalar_type() == at::kDouble) return forward_impl<double>(q, k, v, lambda, scale, causal, m, block);
-  TORCH_CHECK(q.scalar_type() == at::kFloat, "diff_block: float32 or float64 inputs");
   return forward_impl<float>(q, k, v, lambda, scale, causal, m, block);
 }
 
 std::vector<at::Tensor> diff_block_backward(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
-                                            const at::Tensor& v, double lambda, double scale, bool causal,
+                                            const at::Tensor& v, const at::Tensor& lam, double scale, bool causal,
                                             const c10::optional<at::Tensor>& mask, int64_t block) {
+  check_inputs(q, k, v, lam, block, &grad_out);
   const at::Tensor m = checked_mask(mask, q, k);
+  const double lambda = lam.item<double>();
   if (q.scalar_type() == at::kDouble)
     return backward_impl<double>(grad_out, q, k, v, lambda, scale, causal, m, block);
-  TORCH_CHECK(q.scalar_type() == at::kFloat, "diff_block: float32 or float64 inputs");
   return backward_impl<float>(grad_out, q, k, v, lambda, scale, causal, m, block);
 }
 
 }  // namespace
 
+// lambda is a one-element tensor (not a float) so that the caller never reads it on the host. The kernels are
+// registered for the CPU dispatch key only: a CUDA or meta tensor gets the dispatcher's "could not run ... with
+// arguments from the ... backend" instead of reaching the raw loops.
 TORCH_LIBRARY(difftx, m) {
-  m.def("diff_block_forward(Tensor q, Tensor k, Tensor v, float lam, float scale, bool causal, Tensor? mask, "
+  m.def("diff_block_forward(Tensor q, Tensor k, Tensor v, Tensor lam, float scale, bool causal, Tensor? mask, "
         "int block) -> Tensor");
-  m.def("diff_block_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, float lam, float scale, bool causal, "
+  m.def("diff_block_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor lam, float scale, bool causal, "
         "Tensor? mask, int block) -> Tensor[]");
+}
+
+TORCH_LIBRARY_IMPL(difftx, CPU, m) {
   m.impl("diff_block_forward", &diff_block_forward);
   m.impl("diff_block_backward", &diff_block_backward);
 }
