@@ -11,7 +11,7 @@ comma := ,
 space := $(eval) $(eval)
 INTEROP_PYTHONS := $(subst $(space),$(comma),$(strip $(foreach v,$(INTEROP_VERSIONS),$(CURDIR)/.venv-tf$(v)/bin/python)))
 
-.PHONY: demo test test-quick test-interop lint format clean shell docs
+.PHONY: demo test test-quick test-interop test-floor lint format clean shell docs
 
 $(STAMP): requirements-dev.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -55,6 +55,16 @@ test-quick: $(STAMP)
 test-interop: $(STAMP) $(INTEROP_STAMPS)
 	DIFFTX_INTEROP_PYTHONS=$(INTEROP_PYTHONS) DIFFTX_REQUIRE_INTEROP=1 $(BIN)/python -m pytest -q tests/test_interop.py
 
+# the fast tier on the oldest versions pyproject.toml declares (torch 2.6, transformers 4.48.0, numpy 1.24, ...),
+# in .venv-floor, with this checkout on the path (optional extras absent there: their tests skip)
+.venv-floor/.installed: tests/floor/requirements.txt
+	test -x .venv-floor/bin/python || $(PYTHON) -m venv .venv-floor
+	.venv-floor/bin/python -m pip install --quiet -r $<
+	touch $@
+
+test-floor: .venv-floor/.installed
+	PYTHONPATH=$(CURDIR) .venv-floor/bin/python -m pytest -q -p no:cacheprovider -m "not slow"
+
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
@@ -64,4 +74,4 @@ format: $(STAMP)
 	$(BIN)/ruff format .
 
 clean:
-	rm -rf $(VENV) .venv-tf* build *.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) .venv-tf* .venv-floor build *.egg-info .pytest_cache .ruff_cache

@@ -5,7 +5,12 @@ import os
 import pytest
 import torch
 
-from difftransformer.errors import OPTIONAL_EXTRA
+# The Triton kernels run in Triton's interpreter where there is no GPU (tests/test_triton.py). Triton before 3.4
+# decides at decoration time, so this is set before any test module can import them.
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+from difftransformer.errors import OPTIONAL_EXTRA  # noqa: E402
 
 # lambda_init = 0.8 - 0.6 exp(-0.3 l) for layers l = 0..12, to 4 decimals (docs/paper.md section 1), written out so
 # that no test re-types the formula it checks

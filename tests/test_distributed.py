@@ -202,3 +202,21 @@ def test_a_failing_process_ends_the_group_with_its_error_once(prepared, tmp_path
     assert not [line for line in lines if line.startswith("[rank")]  # no worker traceback
     assert [p.name for p in list_checkpoints(run)][-1] == "step_00000004"
     load_checkpoint(list_checkpoints(run)[-1])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_every_collective_tensor_is_on_the_worlds_device(prepared, tmp_path, parallel):
+    """Two processes train through the real CLI (steps, reads, a checkpoint, validation, the end) with every
+    torch.distributed collective checked (tests/collective_devices.py): each tensor must be on the world's device,
+    as NCCL requires, including those made during training, where a tensor made without a device is caught."""
+    flags = train_args(prepared, max_steps=6, eval_interval=3, ckpt_interval=3, log_interval=2)
+    proc = subprocess.run(
+        [*TORCHRUN, str(Path(__file__).parent / "collective_devices.py"), "train", *flags, "--parallel", parallel,
+         "--out", str(tmp_path / "run")],
+        env=ONE_THREAD, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    counts = [line for line in proc.stderr.splitlines() if "checked collectives:" in line]
+    assert len(counts) == 2 and all("'all_reduce'" in line for line in counts), counts
+    assert len(metric_rows(tmp_path / "run")) == 6 // 2 + 1  # steps 2, 3 (validation), 4, 6

@@ -134,7 +134,7 @@ def test_train_says_what_it_will_do_and_what_it_did(prepared, tmp_path, capsys):
     out, err = capsys.readouterr()
     first, done, after = out.splitlines()
     assert first.startswith("difftx train: diff model, 1,345,984 parameters (tiny preset); 4 steps of 4 x 32 tokens = ")
-    assert first.endswith(f"training tokens of {prepared}) on cpu; writing to {run}")
+    assert first.endswith(f"training tokens of {prepared}) on cpu in float32; writing to {run}")
     assert done.startswith(f"difftx train: done: {run} at step 4; training loss ")
     assert done.endswith(f"checkpoint {run / 'checkpoints' / 'step_00000004'}")
     assert after.startswith(f"next: difftx generate --run {run} --prompt 'Your text'")

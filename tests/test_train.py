@@ -175,7 +175,7 @@ def test_optimizer_step_scores_only_the_targets_that_are_not_ignored():
     expected = -(logp[0, 3, 5] + logp[1, 7, 9]).item() / 2
     optimizer = make_optimizer(model, small_config(".", "."))
     before = model.embed.weight.detach().clone()
-    row = optimizer_step(model, optimizer, [(x, y), (x, y)], 0.01, 1.0, torch.device("cpu"))
+    row = optimizer_step(model, optimizer, [(x, y), (x, y)], 0.01, 1.0, torch.device("cpu")).row()
     assert row["loss"] == pytest.approx(expected, rel=1e-5)
     assert row["lr"] == 0.01 and optimizer.param_groups[0]["lr"] == 0.01 and "skipped" not in row
     assert not torch.equal(model.embed.weight, before)

@@ -1,24 +1,18 @@
 """The Triton differential-attention kernels (forward and backward), run in Triton's interpreter on CPU.
 
-TRITON_INTERPRET must be set before triton_diff is imported (Triton decides at decoration time); this
-module sets it at collection when no GPU is present, and nothing else imports the kernels.
+TRITON_INTERPRET must be set before triton_diff is imported (Triton before 3.4 decides at decoration time):
+tests/conftest.py sets it when no GPU is present, before any test module is imported.
 """
 
-import os
-
+import pytest
 import torch
+from conftest import randomize_diff_params
+from reference import diff_attn_v1
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
-
-import pytest  # noqa: E402
-from conftest import randomize_diff_params  # noqa: E402
-from reference import diff_attn_v1  # noqa: E402
-
-from difftransformer import MultiheadDiffAttn, TransformerLM  # noqa: E402
-from difftransformer.core.attention import kernels, triton_diff  # noqa: E402
-from difftransformer.core.attention.diff import differential_attention  # noqa: E402
-from difftransformer.core.config import ModelConfig  # noqa: E402
+from difftransformer import MultiheadDiffAttn, TransformerLM
+from difftransformer.core.attention import kernels, triton_diff
+from difftransformer.core.attention.diff import differential_attention
+from difftransformer.core.config import ModelConfig
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -154,7 +154,7 @@ def _train(args: argparse.Namespace) -> int:
     from difftransformer.fsutil import parse_json_object
     from difftransformer.training.config import TrainConfig
     from difftransformer.training.distributed import unwrap
-    from difftransformer.training.loop import Trainer, resume_config
+    from difftransformer.training.loop import Trainer, precision, resume_config
 
     fields = [f.name for f in dataclasses.fields(TrainConfig) if f.name not in ("out", "model", "betas")]
     given = {name: getattr(args, name) for name in fields if getattr(args, name) is not None}
@@ -200,7 +200,8 @@ def _train(args: argparse.Namespace) -> int:
                 f"{'resuming at step ' + str(trainer.step_idx + 1) + ', ' if trainer.step_idx else ''}{steps:,} steps "
                 f"of {cfg.batch_size} x {cfg.seq_len} tokens = {tokens:,} tokens ({tokens / have:.2f} passes over the "
                 f"{have:,} training tokens of {cfg.data}) on {trainer.world.device}"
-                f"{f' ({trainer.world.size} processes)' if trainer.world.size > 1 else ''}; writing to {cfg.out}",
+                f"{f' ({trainer.world.size} processes)' if trainer.world.size > 1 else ''} in "
+                f"{precision(trainer.amp, trainer.tf32, cfg.parallel)}; writing to {cfg.out}",
                 flush=True,
             )
         rows = trainer.fit()

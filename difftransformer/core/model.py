@@ -101,7 +101,9 @@ class TransformerLM(nn.Module):
         cache: KVStore | None = None,
         slots: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """tokens: (B, T) int64 -> logits (B, T, vocab_size).
+        """tokens: (B, T) int64 -> logits (B, T, vocab_size). In eval mode an id outside the vocabulary is refused
+        with a clear error; in training mode the ids are not read on the host (that would stall a GPU every step):
+        the trainer checks its data once, when it opens them.
 
         mask: optional boolean (B, T) padding mask (True for real tokens) or (B, T, T) attention mask; with a cache
         they cover the cache's slots instead of T: (B, L) or (B, T, L).
@@ -172,8 +174,10 @@ class TransformerLM(nn.Module):
             )
         if cache is not None and t > cache.max_len:
             raise InputError(f"the cache holds {cache.max_len} slots; {t} were asked for")
-        if (  # a data-dependent check: skipped while torch.compile traces, so the forward has no graph break
-            not torch.compiler.is_compiling()
+        if (  # a read of the ids on the host: in eval mode only (a training step would wait on it; the training
+            # data are checked when opened), and not while torch.compile traces (no graph break)
+            not self.training
+            and not torch.compiler.is_compiling()
             and tokens.device.type != "meta"
             and tokens.numel()
             and (tokens.min() < 0 or tokens.max() >= self.config.vocab_size)

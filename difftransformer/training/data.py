@@ -297,10 +297,22 @@ class TokenData:
                     f"{dtype.itemsize} bytes: the file is truncated or corrupt; prepare the data again"
                 )
             self.shards.append(np.memmap(path, dtype=dtype, mode="r"))
+        self._check_ids(info["shards"])
         self.starts = np.cumsum([0] + [len(s) for s in self.shards])
         self.n_tokens = int(self.starts[-1])
         self.n_bytes = int(info["bytes"])
         self.split = split
+
+    def _check_ids(self, listed: list[dict]) -> None:
+        """Every token id lies in the tokenizer's vocabulary, checked once here: the model does not check the ids
+        of each training batch (a read of the device's result per step)."""
+        vocab = self.manifest["tokenizer"]["vocab_size"]
+        for shard, entry in zip(self.shards, listed, strict=True):
+            if len(shard) and int(shard.max()) >= vocab:
+                raise InputError(
+                    f"shard {self.dir / entry['file']} holds token id {int(shard.max())}, outside the tokenizer's "
+                    f"vocabulary of {vocab}: the file is corrupt; prepare the data again"
+                )
 
     def tokenizer(self) -> Tokenizer:
         return load_tokenizer(self.dir)

@@ -44,12 +44,14 @@ class World:
 
 
 def init_world(device: str = "auto", timeout: float = 600) -> World:
-    """Join the torchrun process group when there is one (collectives time out after ``timeout`` seconds); pick
-    the device."""
+    """Join the torchrun process group when launched by torchrun (collectives time out after ``timeout`` seconds);
+    pick the device."""
     size = int(os.environ.get("WORLD_SIZE", "1"))
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    if size > 1 and not dist.is_initialized():
+    launched = size > 1 or "TORCHELASTIC_RUN_ID" in os.environ  # torchrun: a group even of one process (its
+    # collectives then run for real, as in benchmarks/gpu.sh's check of NCCL on one GPU)
+    if launched and not dist.is_initialized():
         backend = "nccl" if device == "cuda" else "gloo"
         wait = timedelta(seconds=timeout)
         store = _attempt_store(wait)
@@ -77,10 +79,27 @@ def _attempt_store(timeout: timedelta):
     return dist.PrefixStore(f"difftx/attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
+def fsdp_policy(amp: torch.dtype | None):
+    """FSDP2's mixed precision for a run under autocast to ``amp``: parameters gathered in ``amp`` (bfloat16: half
+    the all-gather traffic and the forward's memory), gradients reduced in float32 (a sum of bfloat16 gradients over
+    many processes loses their low bits); the sharded weights and the optimizer stay float32. None: float32."""
+    if amp is None:
+        return None
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(param_dtype=amp, reduce_dtype=torch.float32)
+
+
 def parallelize(
-    model: nn.Module, mode: str, world: World, compile: bool = False, checkpoint_activations: bool = False
+    model: nn.Module,
+    mode: str,
+    world: World,
+    compile: bool = False,
+    checkpoint_activations: bool = False,
+    amp: torch.dtype | None = None,
 ) -> nn.Module:
-    """Wrap ``model`` for training: checkpoint and compile its blocks, then DDP or FSDP2. Returns the module to call.
+    """Wrap ``model`` for training: checkpoint and compile its blocks, then DDP or FSDP2 (with ``fsdp_policy(amp)``).
+    Returns the module to call.
 
     Activation checkpointing keeps only each block's input for backward and recomputes the block; the wrapper
     leaves parameter names (and so checkpoints) unchanged."""
@@ -104,9 +123,11 @@ def parallelize(
     if mode == "fsdp":
         from torch.distributed.fsdp import fully_shard
 
+        policy = fsdp_policy(amp)
+        options = {} if policy is None else {"mp_policy": policy}
         for block in model.layers:
-            fully_shard(block)
-        fully_shard(model)
+            fully_shard(block, **options)
+        fully_shard(model, **options)
     return model
 
 
@@ -123,11 +144,28 @@ def full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict
     return get_model_state_dict(inner, options=_FULL), get_optimizer_state_dict(inner, optimizer, options=_FULL)
 
 
+IMPLEMENTATION = ("fused", "foreach", "capturable", "differentiable")  # how an optimizer steps, not what it does
+
+
 def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer, model_sd: dict, optim_sd: dict) -> None:
     inner = unwrap(model)
     options = StateDictOptions(full_state_dict=True, strict=True)
     set_model_state_dict(inner, model_sd, options=options)
-    set_optimizer_state_dict(inner, optimizer, optim_sd, options=options)
+    set_optimizer_state_dict(inner, optimizer, _for_this_optimizer(optimizer, optim_sd), options=options)
+
+
+def _for_this_optimizer(optimizer: torch.optim.Optimizer, optim_sd: dict) -> dict:
+    """A saved optimizer state as this optimizer loads it: its param groups keep how this optimizer steps (fused or
+    foreach: chosen by device and version, not by the checkpoint, which may come from another machine, or from
+    before AdamW was fused here) and drop settings this PyTorch does not know (a newer one's, such as
+    ``decoupled_weight_decay``, which an older PyTorch refuses)."""
+    current = optimizer.param_groups[0]
+    groups = []
+    for saved in optim_sd["param_groups"]:
+        group = {k: v for k, v in saved.items() if k in current or k == "params"}
+        group.update({k: current[k] for k in IMPLEMENTATION if k in current})
+        groups.append(group)
+    return {**optim_sd, "param_groups": groups}
 
 
 def group_failure(err: BaseException) -> str | None:

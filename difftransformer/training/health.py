@@ -39,9 +39,10 @@ def state_flags(
     device: torch.device,
     amp: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(flags, probe loss), both on ``device`` and computed without a host synchronisation: ``flags`` is a float
-    tensor (3,) holding 1 where the weights, the optimizer state and the probe loss are all finite (this process's
-    shards), and the probe loss is the mean loss of ``model`` over the windows ``probe`` (N, T + 1)."""
+    """(flags, probe loss), both on ``device``, not yet read (the model's eval-mode check of the probe's token ids
+    aside): ``flags`` is a float tensor (3,) holding 1 where the weights, the optimizer state and the probe loss are
+    all finite (this process's shards), and the probe loss is the mean loss of ``model`` over the windows ``probe``
+    (N, T + 1)."""
     weights = [_local(p.detach()) for p in model.parameters()]
     moments = [_local(v) for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
     loss = token_losses(model, probe, batch=len(probe), amp=amp, device=device).mean()

@@ -20,6 +20,7 @@ import shutil
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -81,25 +82,39 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
+FUSED_DEVICES = ("cpu", "cuda")  # where PyTorch has a fused AdamW (one kernel per step, and a skip on the device)
+
+
+def optimizer_flags(device: torch.device) -> dict:
+    """AdamW's implementation for parameters on ``device``: ``fused`` where PyTorch has it, ``foreach`` elsewhere.
+    The fused one also skips a non-finite step on the device (``optimizer_step``), with no read on the host."""
+    return {"fused": True} if device.type in FUSED_DEVICES else {"foreach": True}
+
+
 def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
     """AdamW; weight decay on matrices and embeddings only (not on norms or the lambda vectors)."""
-    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, foreach=False)
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, **optimizer_flags(params[0].device))
+
+
+def lambda_values(model: torch.nn.Module) -> torch.Tensor | None:
+    """lambda of every layer (V1 models) as one tensor on the model's device, read by no one yet; None for models
+    without a per-layer lambda."""
+    blocks = unwrap(model).layers
+    if not hasattr(blocks[0].attn, "lambda_init"):
+        return None
+    with torch.no_grad():
+        lams = [block.attn.lambda_full() for block in blocks]  # DTensors under FSDP2, whose operations are global
+        return torch.stack([lam.full_tensor() if hasattr(lam, "full_tensor") else lam for lam in lams]).float()
 
 
 def layer_lambdas(model: torch.nn.Module) -> list[float] | None:
     """lambda of every layer (V1 models), as floats; None for models without a per-layer lambda."""
-    blocks = unwrap(model).layers
-    if not hasattr(blocks[0].attn, "lambda_init"):
-        return None
-    values = []
-    with torch.no_grad():
-        for block in blocks:
-            lam = block.attn.lambda_full()  # a DTensor under FSDP2, whose operations have global meaning
-            values.append(round(float(lam.full_tensor() if hasattr(lam, "full_tensor") else lam), 6))
-    return values
+    values = lambda_values(model)
+    return None if values is None else [round(v, 6) for v in values.tolist()]
 
 
 def autocast_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype | None:
@@ -112,6 +127,73 @@ def autocast_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype | None
     return None
 
 
+@dataclass
+class StepResult:
+    """What one optimizer step did, still on the device: the mean loss over processes, the gradient norm before
+    clipping, and whether the update was skipped (a non-finite loss or norm). ``rows([...])`` reads them."""
+
+    loss: torch.Tensor
+    grad_norm: torch.Tensor
+    skipped: torch.Tensor
+    lr: float
+
+    def row(self) -> dict:
+        return read([self])[0][0]
+
+
+def read(results: list[StepResult], extra: torch.Tensor | None = None) -> tuple[list[dict], list[float]]:
+    """The rows {loss, lr, grad_norm[, skipped]} of ``results`` (at least one) and the values of ``extra`` (a tensor
+    on the same device), read in one host synchronisation."""
+    parts = [torch.stack([torch.stack([r.loss, r.grad_norm, r.skipped.float()]) for r in results]).flatten()]
+    if extra is not None:
+        parts.append(extra.float().flatten())
+    values = torch.cat(parts).tolist()
+    n = 3 * len(results)
+    out = []
+    for i, r in enumerate(results):
+        loss, norm, skipped = values[3 * i : 3 * i + 3]
+        row = {"loss": loss, "lr": r.lr, "grad_norm": norm}
+        if skipped:
+            row["skipped"] = "non-finite loss" if not math.isfinite(loss) else "non-finite gradient"
+        out.append(row)
+    return out, values[n:]
+
+
+def to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A batch on ``device``: to a GPU from pinned memory without waiting (the copy overlaps the work queued
+    before it); on the CPU, the batch itself."""
+    if device.type == "cuda":
+        return x.pin_memory().to(device, non_blocking=True)
+    return x.to(device)
+
+
+def tf32_applies(device: torch.device, amp: torch.dtype | None, capability: tuple[int, int] | None) -> bool:
+    """Whether a run's float32 matrix products should use TF32: a float32 run (no autocast) on a CUDA GPU of compute
+    capability 8 (Ampere) or newer, where TF32 runs them several times faster with a 10-bit mantissa, the
+    precision mixed-precision training has anyway."""
+    return device.type == "cuda" and amp is None and capability is not None and capability[0] >= 8
+
+
+def use_tf32(device: torch.device, amp: torch.dtype | None) -> bool:
+    """Turn TF32 on for this process when ``tf32_applies`` (PyTorch's switches, process-wide); whether it did."""
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    if not tf32_applies(device, amp, capability):
+        return False
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+    return True
+
+
+def precision(amp: torch.dtype | None, tf32: bool, parallel: str) -> str:
+    """The numerics of a run in words, for its summary line."""
+    if amp is None:
+        return "float32 with TF32 matrix products" if tf32 else "float32"
+    name = str(amp).removeprefix("torch.")
+    if parallel == "fsdp":
+        return f"{name} (FSDP2 mixed precision: {name} parameters, float32 gradient reduction and weights)"
+    return f"{name} autocast (float32 weights)"
+
+
 def optimizer_step(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -120,17 +202,19 @@ def optimizer_step(
     grad_clip: float,
     device: torch.device,
     amp: torch.dtype | None = None,
-) -> dict:
+) -> StepResult:
     """One optimizer step at learning rate ``lr`` on the mean next-token loss of ``micro_batches`` ((tokens,
     targets) pairs; a target of -100 is not scored), gradients clipped to norm ``grad_clip`` and, under DDP or
-    FSDP, synchronised on the last micro-batch only. A non-finite loss or gradient norm skips the update; the
-    returned row {loss, lr, grad_norm} then says "skipped" and why. Every training run of the project (``difftx
-    train`` and the experiments) steps through this function."""
+    FSDP, synchronised on the last micro-batch only. A non-finite loss or gradient norm skips the update: with a
+    fused AdamW (``optimizer_flags``) on the device, through the optimizer's ``found_inf`` (the fused kernel then
+    changes neither the weights nor its state, step count included), so the step reads nothing on the host;
+    otherwise after one read. Every training run of the project (``difftx train`` and the experiments) steps
+    through this function; ``.row()`` of the result reads it."""
     for group in optimizer.param_groups:
         group["lr"] = lr
     total = torch.zeros((), device=device)
     for micro, (x, y) in enumerate(micro_batches):
-        x, y = x.to(device), y.to(device)
+        x, y = to_device(x, device), to_device(y, device)
         sync = micro == len(micro_batches) - 1
         if hasattr(model, "set_requires_gradient_sync"):
             model.set_requires_gradient_sync(sync)
@@ -142,15 +226,18 @@ def optimizer_step(
             loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten()) / len(micro_batches)
             loss.backward()
         total += loss.detach()
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip))
-    loss_value = float(all_reduce_mean(total))
-    row = {"loss": loss_value, "lr": lr, "grad_norm": grad_norm}
-    if math.isfinite(loss_value) and math.isfinite(grad_norm):
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    norm = (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).float()  # a DTensor under FSDP2
+    loss = all_reduce_mean(total)
+    skipped = ~(torch.isfinite(loss) & torch.isfinite(norm))  # the same on every process: both are global
+    if all(group.get("fused") for group in optimizer.param_groups):
+        optimizer.found_inf = skipped.float()
         optimizer.step()
-    else:
-        row["skipped"] = "non-finite loss" if not math.isfinite(loss_value) else "non-finite gradient"
+        optimizer.found_inf = None
+    elif not bool(skipped):  # no fused AdamW for this device: one read
+        optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return row
+    return StepResult(loss, norm.detach(), skipped, lr)
 
 
 class Trainer:
@@ -180,6 +267,7 @@ class Trainer:
         self.start: Path | None = None  # the checkpoint an init_from run starts from
         self.updated = False  # whether a step of this trainer has changed the weights (all skipped: diverged)
         self.probe_best = math.inf  # the lowest probe loss of the run so far (training/health.py)
+        self._shown_loss: float | None = None  # the latest training loss read, for the progress line
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         try:
@@ -248,9 +336,10 @@ class Trainer:
             check_weights(model, tensors, str(self.start), str(self.start.parent.parent / MODEL_CONFIG))
             with own_layout():
                 model.load_state_dict(tensors, strict=True)
-        self.model = parallelize(model, cfg.parallel, self.world, cfg.compile, cfg.checkpoint_activations)
-        self.optimizer = make_optimizer(self.model, cfg)
         self.amp = autocast_dtype(cfg, self.world.device)
+        self.tf32 = use_tf32(self.world.device, self.amp)
+        self.model = parallelize(model, cfg.parallel, self.world, cfg.compile, cfg.checkpoint_activations, self.amp)
+        self.optimizer = make_optimizer(self.model, cfg)
         self.step_idx = 0
         live = self.world.is_main and not self.quiet
         self.progress = Progress(cfg.max_steps, f"train {self.run_dir.name}", enabled=live)
@@ -463,17 +552,20 @@ class Trainer:
                 f.write(json.dumps(row) + "\n")
 
     # training ------------------------------------------------------------------------------------------------
-    def train_step(self) -> dict:
-        """One optimizer step. A non-finite loss or gradient norm skips the update (the row says "skipped")."""
+    def train_step(self) -> StepResult:
+        """One optimizer step, left on the device (``.row()`` reads it). A non-finite loss or gradient norm skips
+        the update."""
         cfg, parts = self.cfg, self.world.size * self.cfg.grad_accum
         micro_batches = [
             self.sampler.batch(self.step_idx, self.world.rank * cfg.grad_accum + micro, parts)
             for micro in range(cfg.grad_accum)
         ]
         lr = lr_at(self.step_idx, cfg)
-        row = optimizer_step(self.model, self.optimizer, micro_batches, lr, cfg.grad_clip, self.world.device, self.amp)
+        result = optimizer_step(
+            self.model, self.optimizer, micro_batches, lr, cfg.grad_clip, self.world.device, self.amp
+        )
         self.step_idx += 1
-        return row
+        return result
 
     def validate(self) -> tuple[float, float]:
         return loss_and_bits_per_byte(
@@ -496,34 +588,47 @@ class Trainer:
             raise
 
     def _fit(self, until: int | None, signals: StopSignals) -> list[dict]:
+        """The steps run on the device without a read on the host; what they did is read at a **read step**: a
+        log, evaluation or checkpoint step, the last step of this call, and (on one process) a step after a stop
+        signal. Each read is one synchronisation for every step since the last (losses, gradient norms, skips),
+        lambda per layer, and, on many processes, the agreed stop flag (a signal stops the run at the next read
+        step, the same step on every process)."""
         cfg = self.cfg
         stop = cfg.max_steps if until is None else min(until, cfg.max_steps)
         tokens_per_step = cfg.batch_size * cfg.seq_len
-        start, start_step, rows = time.perf_counter(), self.step_idx, []
+        start, start_step, logged = time.perf_counter(), self.step_idx, []
         self.progress.begin(start_step, start_step * tokens_per_step)
+        pending: list[tuple[int, StepResult, float]] = []
         while self.step_idx < stop:
-            row = self.train_step()
-            self.updated = self.updated or "skipped" not in row
+            result = self.train_step()
             step = self.step_idx
-            elapsed = time.perf_counter() - start
-            speed = (step - start_step) * tokens_per_step / elapsed
-            row.update(step=step, tokens=step * tokens_per_step, tokens_per_s=round(speed, 1))
-            if (lams := layer_lambdas(self.model)) is not None:
-                row["lambda"] = lams
-            self._guard(row)
-            if step % cfg.eval_interval == 0 or step == cfg.max_steps:
-                row["val_loss"], row["val_bpb"] = self.validate()
-            if step % cfg.log_interval == 0 or "val_loss" in row or "skipped" in row or "spike" in row:
-                self.log(row)
-                rows.append(row)
-            if "val_loss" in row and self.progress.enabled:
-                self.progress.write(f"step {step}: validation loss {row['val_loss']:.4f}", stream=sys.stderr)
-            self.progress.update(step, row["tokens"], row["loss"])
-            if self.on_step is not None:
-                self.on_step(row)
-            if step % cfg.ckpt_interval == 0 or step == cfg.max_steps:
+            pending.append((step, result, time.perf_counter()))
+            evaluate = step % cfg.eval_interval == 0 or step == cfg.max_steps
+            checkpoint = step % cfg.ckpt_interval == 0 or step == cfg.max_steps
+            logs = step % cfg.log_interval == 0
+            signalled = self.world.size == 1 and bool(signals.received)  # a host flag: reading it costs nothing
+            if not (evaluate or checkpoint or logs or signalled or step == stop):
+                self.progress.update(step, step * tokens_per_step, self._shown_loss)
+                continue
+            rows, signum = self._read(pending, signals, lambdas=logs or evaluate)
+            pending = []
+            for row in rows:
+                row["tokens_per_s"] = round((row["step"] - start_step) * tokens_per_step / (row.pop("_t") - start), 1)
+                self.updated = self.updated or "skipped" not in row
+                self._guard(row)
+                if row["step"] == step and evaluate:
+                    row["val_loss"], row["val_bpb"] = self.validate()
+                if row["step"] % cfg.log_interval == 0 or "val_loss" in row or "skipped" in row or "spike" in row:
+                    self.log(row)
+                    logged.append(row)
+                if "val_loss" in row and self.progress.enabled:
+                    self.progress.write(f"step {step}: validation loss {row['val_loss']:.4f}", stream=sys.stderr)
+                self._shown_loss = row["loss"]
+                if self.on_step is not None:
+                    self.on_step(row)
+            self.progress.update(step, step * tokens_per_step, self._shown_loss)
+            if checkpoint:
                 self.save()
-            signum = int(all_reduce_max(torch.tensor(signals.received or 0)))
             if signum:
                 self.progress.close()
                 path = self.save() if self.saved_step != step else list_checkpoints(self.run_dir)[-1]
@@ -536,7 +641,24 @@ class Trainer:
             )
         if self.step_idx == cfg.max_steps:
             self.progress.close()
-        return rows
+        return logged
+
+    def _read(
+        self, pending: list[tuple[int, StepResult, float]], signals: StopSignals, lambdas: bool
+    ) -> tuple[list[dict], int]:
+        """The rows of the ``pending`` steps (the last with lambda per layer when ``lambdas``) and the stop signal
+        every process agrees on (the largest), in one read; every process calls it at the same steps."""
+        cfg = self.cfg
+        lams = lambda_values(self.model) if lambdas else None
+        flag = all_reduce_max(torch.tensor([signals.received or 0], device=self.world.device, dtype=torch.float32))
+        extra = flag if lams is None else torch.cat([flag, lams.to(flag.device)])
+        rows, values = read([result for _, result, _ in pending], extra)
+        done = time.perf_counter()  # after the read: every step so far has finished on the device
+        for (step, _, t), row in zip(pending, rows, strict=True):
+            row.update(step=step, tokens=step * cfg.batch_size * cfg.seq_len, _t=done if step == pending[-1][0] else t)
+        if lams is not None:
+            rows[-1]["lambda"] = [round(v, 6) for v in values[1:]]
+        return rows, int(values[0])
 
     def _guard(self, row: dict) -> None:
         """Note a loss spike; count skipped steps in a row and stop the run when there are max_nonfinite_steps."""

@@ -137,7 +137,7 @@ def fit(
         if step == spec.steps:
             break
         start = time.perf_counter()
-        row = optimizer_step(model, optimizer, [sample(data, spec.batch_size)], lr_at(step, spec), 1.0, CPU)
+        row = optimizer_step(model, optimizer, [sample(data, spec.batch_size)], lr_at(step, spec), 1.0, CPU).row()
         seconds += time.perf_counter() - start
         losses.append(row["loss"])
         if _steps_done is not None:
