@@ -96,6 +96,17 @@ def test_parallelize_refuses_unknown_modes_and_a_missing_process_group():
     assert parallelize(model, "none", World()) is model and unwrap(model) is model
 
 
+def test_fsdp_on_cpu_is_refused_before_torch_2_7(monkeypatch):
+    """torch 2.6's FSDP2 calls CUDA streams and fails on CPU (seen in the floor environment); 2.7 runs."""
+    model = TransformerLM(ModelConfig.preset("tiny", n_layers=1))
+    monkeypatch.setattr(torch, "__version__", "2.6.0+cu124")
+    with pytest.raises(ValueError, match=r"fsdp on CPU needs torch 2.7 or newer \(FSDP2 in torch 2.6.0\+cu124"):
+        parallelize(model, "fsdp", World())
+    monkeypatch.setattr(torch, "__version__", "2.7.0")
+    with pytest.raises(ValueError, match="needs a process group"):  # past the version check
+        parallelize(model, "fsdp", World())
+
+
 def test_full_state_round_trips_model_and_optimizer():
     torch.manual_seed(0)
     cfg = small_config(".", ".")

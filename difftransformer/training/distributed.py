@@ -105,6 +105,11 @@ def parallelize(
     leaves parameter names (and so checkpoints) unchanged."""
     if mode not in PARALLEL_MODES:
         raise InputError(f"`parallel` must be one of {PARALLEL_MODES}, got {mode!r}")
+    if mode == "fsdp" and world.device.type == "cpu" and torch_version() < (2, 7):
+        raise InputError(
+            f"`parallel` fsdp on CPU needs torch 2.7 or newer (FSDP2 in torch {torch.__version__} calls CUDA streams "
+            "and fails on CPU); use `parallel` ddp, or upgrade torch"
+        )
     if mode != "none" and not dist.is_initialized():
         raise InputError(f"`parallel` {mode} needs a process group: launch with torchrun --nproc-per-node N")
     if checkpoint_activations:
@@ -129,6 +134,12 @@ def parallelize(
             fully_shard(block, **options)
         fully_shard(model, **options)
     return model
+
+
+def torch_version() -> tuple[int, int]:
+    """(major, minor) of the installed PyTorch."""
+    major, minor = re.match(r"(\d+)\.(\d+)", torch.__version__).groups()
+    return int(major), int(minor)
 
 
 def unwrap(model: nn.Module) -> nn.Module:
