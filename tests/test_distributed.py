@@ -25,7 +25,8 @@ from difftransformer.training.distributed import (
     parallelize,
     unwrap,
 )
-from difftransformer.training.loop import make_optimizer, train
+from difftransformer.training.loop import train
+from difftransformer.training.step import make_optimizer
 
 
 def cli(*args, env_extra=None):

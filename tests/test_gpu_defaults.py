@@ -11,7 +11,7 @@ from difftransformer.core.config import ModelConfig
 from difftransformer.core.model import TransformerLM
 from difftransformer.training.config import TrainConfig
 from difftransformer.training.distributed import fsdp_policy
-from difftransformer.training.loop import (
+from difftransformer.training.step import (
     make_optimizer,
     optimizer_flags,
     optimizer_step,

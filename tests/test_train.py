@@ -13,7 +13,8 @@ from conftest import SMALL, difftx, losses, small_config, train_args
 
 from difftransformer.training import checkpoint
 from difftransformer.training.checkpoint import list_checkpoints, load_checkpoint
-from difftransformer.training.loop import TrainConfig, Trainer, lr_at, resume_config, train
+from difftransformer.training.loop import TrainConfig, Trainer, resume_config, train
+from difftransformer.training.step import lr_at
 
 
 def cli(*args, env_extra=None):
@@ -163,7 +164,7 @@ def test_optimizer_step_scores_only_the_targets_that_are_not_ignored():
     averaged over micro-batches; the update is taken at the given learning rate."""
     from difftransformer.core.config import ModelConfig
     from difftransformer.core.model import TransformerLM
-    from difftransformer.training.loop import make_optimizer, optimizer_step
+    from difftransformer.training.step import make_optimizer, optimizer_step
 
     torch.manual_seed(0)
     model = TransformerLM(ModelConfig.preset("tiny", n_layers=1))

@@ -154,7 +154,8 @@ def _train(args: argparse.Namespace) -> int:
     from difftransformer.fsutil import parse_json_object
     from difftransformer.training.config import TrainConfig
     from difftransformer.training.distributed import unwrap
-    from difftransformer.training.loop import Trainer, precision, resume_config
+    from difftransformer.training.loop import Trainer, resume_config
+    from difftransformer.training.step import precision
 
     fields = [f.name for f in dataclasses.fields(TrainConfig) if f.name not in ("out", "model", "betas")]
     given = {name: getattr(args, name) for name in fields if getattr(args, name) is not None}

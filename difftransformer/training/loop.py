@@ -1,15 +1,16 @@
-"""The training loop: AdamW with the paper's defaults, warmup then cosine decay, clipping, accumulation,
-autocast, periodic validation (loss and bits per byte), JSONL metrics with lambda per layer, crash-safe
-checkpoints and exact resume, on one process or many (torchrun, DDP or FSDP2).
+"""The training loop: steps (training/step.py: AdamW, the schedule, the step on the device), periodic validation
+(loss and bits per byte), JSONL metrics with lambda per layer, crash-safe checkpoints and exact resume, on one
+process or many (torchrun, DDP or FSDP2). A step reads nothing on the host; what the steps did is read at log,
+validation and checkpoint steps (``Trainer._fit``).
 
 Guards: a step whose loss or gradient is not finite is skipped (logged, the weights untouched) and
 ``max_nonfinite_steps`` of them in a row stop the run (``TrainingDiverged``), as does a resume whose every step is
 skipped. A checkpoint is written only when the state is healthy (training/health.py: finite weights, optimizer
 state and probe loss); an unhealthy one stops the run instead, so that a diverged state never replaces a healthy
 checkpoint, and loading one (resume, ``init_from``) is refused. A loss spike is noted. Each stop names the
-checkpoint to start again from. SIGINT and SIGTERM finish the current step, write a checkpoint and raise
-``Interrupted``. A run that fails before its first checkpoint removes the directory it created. The data's
-checksums are verified at the start.
+checkpoint to start again from. SIGINT and SIGTERM finish the current step (many processes: the steps to the next
+read step), write a checkpoint and raise ``Interrupted``. A run that fails before its first checkpoint removes the
+directory it created. The data's checksums are verified at the start.
 """
 
 from __future__ import annotations
@@ -20,11 +21,9 @@ import shutil
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from difftransformer.core.attention.gqa_layout import own_layout
 from difftransformer.core.config import ModelConfig
@@ -45,7 +44,6 @@ from difftransformer.training.data import TokenData, WindowSampler, data_identit
 from difftransformer.training.distributed import (
     World,
     all_reduce_max,
-    all_reduce_mean,
     barrier,
     full_state,
     init_world,
@@ -69,175 +67,19 @@ from difftransformer.training.runs import (
     refuse_quantized,
     start_checkpoint,
 )
+from difftransformer.training.step import (
+    StepResult,
+    autocast_dtype,
+    lambda_values,
+    lr_at,
+    make_optimizer,
+    optimizer_step,
+    read,
+    use_tf32,
+)
 from difftransformer.training.tokenizer import load_tokenizer
 
-__all__ = ["TrainConfig", "Trainer", "lr_at", "optimizer_step", "resume_config", "train"]
-
-
-def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Linear warmup to lr, then cosine decay to lr * min_lr_ratio at max_steps."""
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    progress = (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps)
-    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
-
-
-FUSED_DEVICES = ("cpu", "cuda")  # where PyTorch has a fused AdamW (one kernel per step, and a skip on the device)
-
-
-def optimizer_flags(device: torch.device) -> dict:
-    """AdamW's implementation for parameters on ``device``: ``fused`` where PyTorch has it, ``foreach`` elsewhere.
-    The fused one also skips a non-finite step on the device (``optimizer_step``), with no read on the host."""
-    return {"fused": True} if device.type in FUSED_DEVICES else {"foreach": True}
-
-
-def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
-    """AdamW; weight decay on matrices and embeddings only (not on norms or the lambda vectors)."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    decay = [p for p in params if p.dim() >= 2]
-    no_decay = [p for p in params if p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, **optimizer_flags(params[0].device))
-
-
-def lambda_values(model: torch.nn.Module) -> torch.Tensor | None:
-    """lambda of every layer (V1 models) as one tensor on the model's device, read by no one yet; None for models
-    without a per-layer lambda."""
-    blocks = unwrap(model).layers
-    if not hasattr(blocks[0].attn, "lambda_init"):
-        return None
-    with torch.no_grad():
-        lams = [block.attn.lambda_full() for block in blocks]  # DTensors under FSDP2, whose operations are global
-        return torch.stack([lam.full_tensor() if hasattr(lam, "full_tensor") else lam for lam in lams]).float()
-
-
-def layer_lambdas(model: torch.nn.Module) -> list[float] | None:
-    """lambda of every layer (V1 models), as floats; None for models without a per-layer lambda."""
-    values = lambda_values(model)
-    return None if values is None else [round(v, 6) for v in values.tolist()]
-
-
-def autocast_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype | None:
-    if cfg.dtype == "float32":
-        return None
-    if cfg.dtype == "bfloat16":
-        return torch.bfloat16
-    if device.type == "cuda" and torch.cuda.is_bf16_supported():
-        return torch.bfloat16
-    return None
-
-
-@dataclass
-class StepResult:
-    """What one optimizer step did, still on the device: the mean loss over processes, the gradient norm before
-    clipping, and whether the update was skipped (a non-finite loss or norm). ``rows([...])`` reads them."""
-
-    loss: torch.Tensor
-    grad_norm: torch.Tensor
-    skipped: torch.Tensor
-    lr: float
-
-    def row(self) -> dict:
-        return read([self])[0][0]
-
-
-def read(results: list[StepResult], extra: torch.Tensor | None = None) -> tuple[list[dict], list[float]]:
-    """The rows {loss, lr, grad_norm[, skipped]} of ``results`` (at least one) and the values of ``extra`` (a tensor
-    on the same device), read in one host synchronisation."""
-    parts = [torch.stack([torch.stack([r.loss, r.grad_norm, r.skipped.float()]) for r in results]).flatten()]
-    if extra is not None:
-        parts.append(extra.float().flatten())
-    values = torch.cat(parts).tolist()
-    n = 3 * len(results)
-    out = []
-    for i, r in enumerate(results):
-        loss, norm, skipped = values[3 * i : 3 * i + 3]
-        row = {"loss": loss, "lr": r.lr, "grad_norm": norm}
-        if skipped:
-            row["skipped"] = "non-finite loss" if not math.isfinite(loss) else "non-finite gradient"
-        out.append(row)
-    return out, values[n:]
-
-
-def to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A batch on ``device``: to a GPU from pinned memory without waiting (the copy overlaps the work queued
-    before it); on the CPU, the batch itself."""
-    if device.type == "cuda":
-        return x.pin_memory().to(device, non_blocking=True)
-    return x.to(device)
-
-
-def tf32_applies(device: torch.device, amp: torch.dtype | None, capability: tuple[int, int] | None) -> bool:
-    """Whether a run's float32 matrix products should use TF32: a float32 run (no autocast) on a CUDA GPU of compute
-    capability 8 (Ampere) or newer, where TF32 runs them several times faster with a 10-bit mantissa, the
-    precision mixed-precision training has anyway."""
-    return device.type == "cuda" and amp is None and capability is not None and capability[0] >= 8
-
-
-def use_tf32(device: torch.device, amp: torch.dtype | None) -> bool:
-    """Turn TF32 on for this process when ``tf32_applies`` (PyTorch's switches, process-wide); whether it did."""
-    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
-    if not tf32_applies(device, amp, capability):
-        return False
-    torch.backends.cuda.matmul.allow_tf32 = True
-    torch.backends.cudnn.allow_tf32 = True
-    return True
-
-
-def precision(amp: torch.dtype | None, tf32: bool, parallel: str) -> str:
-    """The numerics of a run in words, for its summary line."""
-    if amp is None:
-        return "float32 with TF32 matrix products" if tf32 else "float32"
-    name = str(amp).removeprefix("torch.")
-    if parallel == "fsdp":
-        return f"{name} (FSDP2 mixed precision: {name} parameters, float32 gradient reduction and weights)"
-    return f"{name} autocast (float32 weights)"
-
-
-def optimizer_step(
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
-    lr: float,
-    grad_clip: float,
-    device: torch.device,
-    amp: torch.dtype | None = None,
-) -> StepResult:
-    """One optimizer step at learning rate ``lr`` on the mean next-token loss of ``micro_batches`` ((tokens,
-    targets) pairs; a target of -100 is not scored), gradients clipped to norm ``grad_clip`` and, under DDP or
-    FSDP, synchronised on the last micro-batch only. A non-finite loss or gradient norm skips the update: with a
-    fused AdamW (``optimizer_flags``) on the device, through the optimizer's ``found_inf`` (the fused kernel then
-    changes neither the weights nor its state, step count included), so the step reads nothing on the host;
-    otherwise after one read. Every training run of the project (``difftx train`` and the experiments) steps
-    through this function; ``.row()`` of the result reads it."""
-    for group in optimizer.param_groups:
-        group["lr"] = lr
-    total = torch.zeros((), device=device)
-    for micro, (x, y) in enumerate(micro_batches):
-        x, y = to_device(x, device), to_device(y, device)
-        sync = micro == len(micro_batches) - 1
-        if hasattr(model, "set_requires_gradient_sync"):
-            model.set_requires_gradient_sync(sync)
-        with (
-            _no_sync(model, sync),
-            torch.autocast(device.type, dtype=amp or torch.float32, enabled=amp is not None),
-        ):
-            logits = model(x)
-            loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten()) / len(micro_batches)
-            loss.backward()
-        total += loss.detach()
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
-    norm = (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).float()  # a DTensor under FSDP2
-    loss = all_reduce_mean(total)
-    skipped = ~(torch.isfinite(loss) & torch.isfinite(norm))  # the same on every process: both are global
-    if all(group.get("fused") for group in optimizer.param_groups):
-        optimizer.found_inf = skipped.float()
-        optimizer.step()
-        optimizer.found_inf = None
-    elif not bool(skipped):  # no fused AdamW for this device: one read
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return StepResult(loss, norm.detach(), skipped, lr)
+__all__ = ["TrainConfig", "Trainer", "resume_config", "train"]
 
 
 class Trainer:
@@ -723,19 +565,6 @@ def step_of(row: str) -> int | None:
     except (json.JSONDecodeError, AttributeError):
         return None
     return step if isinstance(step, int) else None
-
-
-class _no_sync:
-    """DDP's no_sync() for accumulation micro-steps; nothing for other models."""
-
-    def __init__(self, model, sync: bool) -> None:
-        self.ctx = model.no_sync() if not sync and hasattr(model, "no_sync") else None
-
-    def __enter__(self):
-        return self.ctx.__enter__() if self.ctx else None
-
-    def __exit__(self, *exc):
-        return self.ctx.__exit__(*exc) if self.ctx else False
 
 
 def train(cfg: TrainConfig, resume: bool = False, quiet: bool = False) -> list[dict]:

@@ -46,8 +46,9 @@ from difftransformer.training.config import TrainConfig, device_problem, resume_
 from difftransformer.training.data import TokenData, eval_windows, is_val_document, prepare, read_manifest
 from difftransformer.training.evaluate import token_losses
 from difftransformer.training.interrupts import StopSignals
-from difftransformer.training.loop import Trainer, layer_lambdas, step_of
+from difftransformer.training.loop import Trainer, step_of
 from difftransformer.training.runs import METRICS, TRAIN_CONFIG
+from difftransformer.training.step import layer_lambdas
 
 PARTS = ("sweep", "grid", "ablations")
 STUDY = "study.json"
