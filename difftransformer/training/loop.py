@@ -75,6 +75,7 @@ from difftransformer.training.step import (
     make_optimizer,
     optimizer_step,
     read,
+    rounded_lambdas,
     use_tf32,
 )
 from difftransformer.training.tokenizer import load_tokenizer
@@ -452,10 +453,9 @@ class Trainer:
             if not (evaluate or checkpoint or logs or signalled or step == stop):
                 self.progress.update(step, step * tokens_per_step, self._shown_loss)
                 continue
-            rows, signum = self._read(pending, signals, lambdas=logs or evaluate)
+            rows, signum = self._read(pending, signals, logs or evaluate, start, start_step)
             pending = []
             for row in rows:
-                row["tokens_per_s"] = round((row["step"] - start_step) * tokens_per_step / (row.pop("_t") - start), 1)
                 self.updated = self.updated or "skipped" not in row
                 self._guard(row)
                 if row["step"] == step and evaluate:
@@ -486,20 +486,28 @@ class Trainer:
         return logged
 
     def _read(
-        self, pending: list[tuple[int, StepResult, float]], signals: StopSignals, lambdas: bool
+        self,
+        pending: list[tuple[int, StepResult, float]],
+        signals: StopSignals,
+        lambdas: bool,
+        start: float,
+        start_step: int,
     ) -> tuple[list[dict], int]:
-        """The rows of the ``pending`` steps (the last with lambda per layer when ``lambdas``) and the stop signal
-        every process agrees on (the largest), in one read; every process calls it at the same steps."""
-        cfg = self.cfg
+        """The rows of the ``pending`` (step, result, time dispatched) steps, with tokens/s since ``start_step``
+        began at ``start`` (the last row with lambda per layer when ``lambdas``), and the stop signal every process
+        agrees on (the largest), in one read; every process calls it at the same steps."""
+        tokens_per_step = self.cfg.batch_size * self.cfg.seq_len
         lams = lambda_values(self.model) if lambdas else None
         flag = all_reduce_max(torch.tensor([signals.received or 0], device=self.world.device, dtype=torch.float32))
         extra = flag if lams is None else torch.cat([flag, lams.to(flag.device)])
         rows, values = read([result for _, result, _ in pending], extra)
         done = time.perf_counter()  # after the read: every step so far has finished on the device
         for (step, _, t), row in zip(pending, rows, strict=True):
-            row.update(step=step, tokens=step * cfg.batch_size * cfg.seq_len, _t=done if step == pending[-1][0] else t)
+            seconds = (done if step == pending[-1][0] else t) - start
+            speed = (step - start_step) * tokens_per_step / seconds
+            row.update(step=step, tokens=step * tokens_per_step, tokens_per_s=round(speed, 1))
         if lams is not None:
-            rows[-1]["lambda"] = [round(v, 6) for v in values[1:]]
+            rows[-1]["lambda"] = rounded_lambdas(values[1:])
         return rows, int(values[0])
 
     def _guard(self, row: dict) -> None:

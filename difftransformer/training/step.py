@@ -57,7 +57,12 @@ def lambda_values(model: torch.nn.Module) -> torch.Tensor | None:
 def layer_lambdas(model: torch.nn.Module) -> list[float] | None:
     """lambda of every layer (V1 models), as floats; None for models without a per-layer lambda."""
     values = lambda_values(model)
-    return None if values is None else [round(v, 6) for v in values.tolist()]
+    return None if values is None else rounded_lambdas(values.tolist())
+
+
+def rounded_lambdas(values: list[float]) -> list[float]:
+    """Per-layer lambda values as metrics record them (6 decimals)."""
+    return [round(v, 6) for v in values]
 
 
 def autocast_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype | None:
