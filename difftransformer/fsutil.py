@@ -121,17 +121,26 @@ def write_new_dir(out: str | Path, what: str, write: Callable[[Path], T]) -> T:
     return result
 
 
-def open_plan(out: Path, name: str, record: dict, what: str, other: Callable[[dict, Path], str]) -> dict:
+def open_plan(
+    out: Path,
+    name: str,
+    record: dict,
+    what: str,
+    other: Callable[[dict, Path], str],
+    companions: tuple[str, ...] = (),
+) -> dict:
     """The plan file ``out/name`` of a study that continues in its own directory: created with ``record`` in a new or
-    empty ``out``, or read back when it holds the same record. A different record is refused with ``other(saved,
-    path)`` (what the saved plan is and how to continue it), a directory with other things and no plan file too."""
+    empty ``out`` (or one that holds a companion plan file, another part of the same study), or read back when it
+    holds the same record. A different record is refused with ``other(saved, path)`` (what the saved plan is and how
+    to continue it), a directory with other things and no plan file too."""
     path = out / name
     if path.is_file():
         saved = read_json_object(path)
         if json.loads(json.dumps(record)) != saved:
             raise InputError(other(saved, path))
         return saved
-    if out.exists() and any(p.name != name for p in out.iterdir()):
+    shared = any((out / c).is_file() for c in companions)
+    if out.exists() and not shared and any(p.name != name for p in out.iterdir()):
         raise InputError(f"{out} is not empty and holds no {name}: give a new or empty `out` for a new {what}")
     out.mkdir(parents=True, exist_ok=True)
     write_text_atomic(path, json.dumps(record, indent=1) + "\n")

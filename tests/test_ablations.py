@@ -86,6 +86,48 @@ def test_standard_with_head_norm_normalises_each_head():
     torch.testing.assert_close(attn(x), attn.out_proj(heads.flatten(2)), rtol=1e-4, atol=1e-5)
 
 
+def test_head_norm_gain_scales_only_the_initial_norm_weight_and_so_each_attention_output():
+    ref, gained = build(), build(head_norm_gain=0.125)
+    assert not gained.config.is_ablation  # an initialisation, not another architecture
+    for name, value in gained.state_dict().items():
+        expected = torch.full_like(value, 0.125) if name.endswith("subln.weight") else ref.state_dict()[name]
+        assert torch.equal(value, expected), name
+    h = torch.randn(2, 12, 64, generator=torch.Generator().manual_seed(3))
+    for a, b in zip(ref.layers, gained.layers, strict=True):
+        with torch.no_grad():
+            torch.testing.assert_close(b.attn(h), 0.125 * a.attn(h))
+        torch.testing.assert_close(b.attn.train()(h), 0.125 * a.attn.train()(h))  # the lean training path too
+    gained.reset_parameters(7)  # a re-initialisation keeps the gain
+    assert all(torch.all(block.attn.subln.weight == 0.125) for block in gained.layers)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(attention="standard", head_norm=True, head_norm_gain=0.5),
+        dict(attention="diff_v2", head_norm_gain=0.5),
+        dict(head_norm=False, head_norm_gain=0.5),
+        dict(head_norm_gain=0.0),
+        dict(head_norm_gain=-1.0),
+        dict(head_norm_gain=float("inf")),
+        dict(head_norm_gain="0.5"),
+    ],
+)
+def test_invalid_head_norm_gains_are_refused(options):
+    with pytest.raises(ConfigError) as err:
+        ModelConfig(**{**BASE, **options})
+    assert err.value.field == "head_norm_gain"
+
+
+def test_the_module_refuses_a_gain_without_a_norm():
+    from difftransformer.core.attention import MultiheadDiffAttn
+
+    with pytest.raises(InputError, match="head_norm_gain"):
+        MultiheadDiffAttn(64, 4, 0, head_norm=False, head_norm_gain=0.5)
+    with pytest.raises(InputError, match="head_norm_gain"):
+        MultiheadDiffAttn(64, 4, 0, head_norm_gain=float("nan"))
+
+
 @pytest.mark.parametrize(
     "options, field",
     [
@@ -126,6 +168,7 @@ def test_ablations_do_not_export_to_hugging_face():
         ("diff", {"head_norm": False, "lambda_init": 0.8}),
         ("diff", {"diff_heads": "all"}),
         ("standard", {"head_norm": True}),
+        ("diff", {"head_norm_gain": 0.25}),
     ],
 )
 def test_options_are_saved_and_reloaded_with_the_run(tmp_path, prepared, attention, options):

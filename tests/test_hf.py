@@ -78,6 +78,14 @@ def test_round_trip_folds_subln_and_keeps_function():
         assert (back(tokens) - model(tokens)).abs().max().item() < TOL
 
 
+def test_a_head_norm_gain_exports_as_the_papers_architecture():
+    # the gain is an initial weight of subln, which the export folds into o_proj like any other value of it
+    model = TransformerLM(ModelConfig.preset("tiny", n_layers=2, head_norm_gain=0.1)).eval()
+    tokens = torch.randint(0, 256, (2, 30))
+    assert max_error(model, to_hf(model), tokens) < TOL
+    assert from_hf(to_hf(model)).config.head_norm_gain is None  # what remains is a weight, not an option
+
+
 @pytest.mark.parametrize("n_kv_heads", [8, 2])
 def test_standard_both_ways(n_kv_heads):
     model = TransformerLM(ModelConfig.preset("tiny", attention="standard", n_kv_heads=n_kv_heads, n_layers=2)).eval()

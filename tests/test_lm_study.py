@@ -307,7 +307,7 @@ def test_a_toy_study_runs_resumes_and_reports(toy_study):
     assert again["paired"] == result["paired"]
 
     committed = toy_study.parent / "committed"  # the report without models and data, and a study continued from it
-    assert lm_report.export(toy_study, committed, TOY, [0, 1])["paired"] == result["paired"]
+    assert lm_report.export(toy_study, committed)["paired"] == result["paired"]
     assert sorted(p.name for p in (committed / "curves").iterdir()) == sorted(f"{n}.jsonl" for n in expected)
     assert not (committed / "runs").exists() and not (committed / "data").exists()
     elsewhere = toy_study.parent / "elsewhere"

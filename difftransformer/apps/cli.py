@@ -659,8 +659,10 @@ def _repro_command(sub) -> None:
     repro.add_argument(
         "--part",
         nargs="+",
-        choices=["sweep", "grid", "ablations"],
-        help="lm: the parts to run (default all three, in order; grid and ablations need the sweep's result)",
+        choices=["sweep", "grid", "ablations", "long"],
+        help="lm: the parts to run (default sweep grid ablations, in order; grid and ablations need the sweep's "
+        "result); long: the long-budget comparison of DIFF V1, its ablation, V2 and the baseline at 20 tokens per "
+        "parameter (hours on CPU; not in the default)",
     )
     repro.add_argument(
         "--logit-bits",

@@ -44,6 +44,12 @@ class ModelConfig:
     in every layer) and ``diff_heads`` (``diff`` only: "half" is the paper's n_heads // 2 heads of size
     d_model / n_heads; "all" uses n_heads differential heads of half that size, as many heads as the standard
     model, with the same parameter count).
+
+    One option changes only the initialisation, and is this library's, not the paper's: ``head_norm_gain`` (``diff``
+    with its per-head norm only: None or 1.0 start the norm's weight at 1, as the paper does; another positive number
+    starts it there, which scales every attention block's output at initialisation by that number; the architecture,
+    the parameter count and the Hugging Face form are the paper's). ``difftx repro lm --part long`` measures the
+    gain at which DIFF's attention blocks start with the standard model's output RMS.
     """
 
     vocab_size: int = 256
@@ -66,6 +72,7 @@ class ModelConfig:
     head_norm: bool | None = None
     lambda_init: float | None = None
     diff_heads: str = "half"
+    head_norm_gain: float | None = None
 
     def __post_init__(self) -> None:
         if self.rope_scaling is not None and isinstance(self.rope_scaling, dict):
@@ -136,6 +143,13 @@ class ModelConfig:
         for name, default in (("lambda_init", None), ("diff_heads", "half")):
             if getattr(self, name) != default and self.attention != "diff":
                 check.fail(name, f"applies to attention 'diff' only (this model has {self.attention!r})")
+        check.number("head_norm_gain", 0, 1e3, low_open=True, optional=True)
+        if self.head_norm_gain is not None and (self.attention != "diff" or self.head_norm is False):
+            check.fail(
+                "head_norm_gain",
+                "is the initial weight of the per-head norm of 'diff' attention; this model has "
+                + ("no per-head norm (head_norm False)" if self.attention == "diff" else f"{self.attention!r}"),
+            )
         if self.attention == "diff" and self.diff_heads == "all" and (self.d_model // self.n_heads) % 2:
             check.fail(
                 "diff_heads",

@@ -53,6 +53,8 @@ from difftransformer.training.step import layer_lambdas
 PARTS = ("sweep", "grid", "ablations")
 STUDY = "study.json"
 TIMINGS = "timings.json"
+LONG_PLAN = "long.json"  # the long part's plan (lm_long), beside STUDY in the same directory
+RUN_SECONDS = "seconds.json"  # in a run directory: the seconds every invocation spent on the run, added up
 DEFAULT_CORPORA = ("data/shakespeare", "data/sotu")
 FETCH = {
     "shakespeare": "difftx data fetch shakespeare --out data/shakespeare",
@@ -98,6 +100,32 @@ class Scale:
     @property
     def tokens_per_step(self) -> int:
         return self.seq_len * self.batch_size
+
+    @classmethod
+    def from_record(cls, record: dict) -> Scale:
+        """The plan that ``dataclasses.asdict`` wrote (a study's plan file)."""
+        values = {k: tuple(v) if isinstance(v, list) else v for k, v in record.items()}
+        return cls(**{**values, "sizes": {k: tuple(v) for k, v in record["sizes"].items()}})
+
+    # what a plan of another kind (the long part's, ``lm_long.LongScale``) does otherwise
+    def attention(self, variant: str) -> str:
+        return VARIANTS[variant][0]
+
+    def model_options(self, variant: str) -> dict:
+        """The ModelConfig options that make ``variant`` in this plan."""
+        return dict(VARIANTS[variant][1])
+
+    def schedule(self, steps: int) -> dict:
+        """How a run of ``steps`` steps is validated during training: once, at its end."""
+        return {"eval_interval": steps, "eval_tokens": 1 << 14}
+
+    def fit(self, trainer: Trainer) -> None:
+        """Train ``trainer``'s run to its end."""
+        trainer.fit()
+
+    def extra_measures(self, run_dir: Path) -> dict:
+        """What a finished run's measurement records besides ``measure_run``'s (nothing here)."""
+        return {}
 
 
 SCALES = {
@@ -149,7 +177,7 @@ class Run:
 
     def model_overrides(self, scale: Scale) -> dict:
         d_model, n_layers, n_heads = scale.sizes[self.size]
-        options = VARIANTS[self.variant][1]
+        options = scale.model_options(self.variant)
         return dict(d_model=d_model, n_layers=n_layers, n_heads=n_heads, max_seq_len=scale.seq_len, **options)
 
     def train_config(self, scale: Scale, data: Path, out: Path) -> TrainConfig:
@@ -157,7 +185,7 @@ class Run:
             data=str(data),
             out=str(out),
             preset="tiny",
-            attention=VARIANTS[self.variant][0],
+            attention=scale.attention(self.variant),
             model=self.model_overrides(scale),
             seq_len=scale.seq_len,
             batch_size=scale.batch_size,
@@ -166,8 +194,7 @@ class Run:
             warmup_steps=max(1, round(scale.warmup_fraction * self.steps)),
             betas=scale.betas,
             weight_decay=scale.weight_decay,
-            eval_interval=self.steps,
-            eval_tokens=1 << 14,
+            **scale.schedule(self.steps),
             log_interval=max(1, self.steps // 24),
             ckpt_interval=scale.ckpt_every,
             keep_last=1,
@@ -237,7 +264,12 @@ def ensure_data(out: Path, scale: Scale, corpora: list[str | Path]) -> Path:
 
     data = out / "data"
     if (data / "manifest.json").is_file():
-        read_manifest(data)
+        vocab = read_manifest(data)["tokenizer"]["vocab_size"]
+        if vocab != scale.vocab_size:
+            raise InputError(
+                f"{data} was prepared with a {vocab}-token vocabulary, but the `scale` {scale.name} plan uses "
+                f"{scale.vocab_size}: give a new `out` for this scale"
+            )
         return data
     docs, sources = study_documents(corpora)
     size = sum(len(d.encode()) for d in docs)
@@ -262,6 +294,7 @@ def open_study(out: Path, scale: Scale, seeds: list[int]) -> dict:
             f"{out} holds a study with another plan ({path}: scale {saved.get('scale', {}).get('name')!r}, seeds "
             f"{saved.get('seeds')}); continue it with the same `scale`, `steps` and `seeds`, or give a new `out`"
         ),
+        companions=(LONG_PLAN,),
     )
 
 
@@ -371,11 +404,13 @@ def _report(measure: dict, progress: Progress) -> None:
 def _cost(run: Run, scale: Scale) -> float:
     d_model, n_layers, _ = scale.sizes[run.size]
     per_token = 12 * n_layers * d_model**2 + 2 * n_layers * scale.seq_len * d_model + 2 * d_model * scale.vocab_size
-    return run.steps * per_token * (1.4 if VARIANTS[run.variant][0] == "diff" else 1.0)
+    return run.steps * per_token * (1.4 if scale.attention(run.variant) == "diff" else 1.0)
 
 
 def _train_and_measure(run: Run, scale: Scale, data: str, out: str) -> dict:
-    """Train the run to its end (resuming it when it was started), then measure it."""
+    """Train the run to its end (resuming it when it was started), then measure it. Its seconds (training and
+    measuring) are added up over the invocations that trained it in ``RUN_SECONDS`` (an invocation killed outright
+    records none; its steps are trained again and counted in the next)."""
     if scale.threads:
         torch.set_num_threads(scale.threads)
     out_dir = Path(out)
@@ -383,20 +418,33 @@ def _train_and_measure(run: Run, scale: Scale, data: str, out: str) -> dict:
     resume = (run_dir / TRAIN_CONFIG).is_file()
     cfg = resume_config(run_dir, data=data) if resume else run.train_config(scale, Path(data), run_dir)
     trainer = Trainer(cfg, resume=resume, quiet=True)
+    first, start = trainer.step_idx, time.perf_counter()
     try:
-        first, start = trainer.step_idx, time.perf_counter()
         try:
-            trainer.fit()
+            scale.fit(trainer)
             measure = measure_run(trainer, run, scale, Path(data))
         except TrainingDiverged as err:  # recorded as such (a sweep's high learning rate may diverge)
             measure = diverged(run, scale, trainer.model.config, str(err))
-        seconds, trained = time.perf_counter() - start, trainer.step_idx - first
     finally:
+        spent = _add_run_seconds(run_dir, time.perf_counter() - start, trainer.step_idx - first)
         trainer.close()
-    measure.update(train_seconds=seconds, seconds_per_step=seconds / trained if trained else None)
+    measure.update(scale.extra_measures(run_dir))
+    steps = spent["steps"]
+    measure.update(train_seconds=spent["seconds"], seconds_per_step=spent["seconds"] / steps if steps else None)
     (out_dir / "measures").mkdir(exist_ok=True)
     write_text_atomic(out_dir / "measures" / f"{run.name}.json", json.dumps(measure) + "\n")
     return measure
+
+
+def _add_run_seconds(run_dir: Path, seconds: float, steps: int) -> dict:
+    """Add one invocation's seconds and trained steps to the run's RUN_SECONDS; the totals."""
+    path = run_dir / RUN_SECONDS
+    total = read_json_object(path) if path.is_file() else {"seconds": 0.0, "steps": 0, "invocations": 0}
+    total = {"seconds": total["seconds"] + seconds, "steps": total["steps"] + steps,
+             "invocations": total["invocations"] + 1}  # fmt: skip
+    if run_dir.is_dir():  # a start that failed has removed it
+        write_text_atomic(path, json.dumps(total) + "\n")
+    return total
 
 
 def _identity(run: Run, scale: Scale, cfg) -> dict:
@@ -488,12 +536,12 @@ def run(
         try:
             execute(runs, plan, out, data, workers)
         finally:
-            total = _add_time(out, part, time.perf_counter() - start)
+            total = add_time(out, part, time.perf_counter() - start)
         print(f"difftx repro lm: {part} done, {total / 60:.1f} min of training in all", flush=True)
     return lm_report.write(out, plan, seeds, read_measures(out))
 
 
-def _add_time(out: Path, part: str, seconds: float) -> float:
+def add_time(out: Path, part: str, seconds: float) -> float:
     """Add this invocation's wall-clock to the part's total in out/timings.json (a resumed study counts both)."""
     path = out / TIMINGS
     timings = read_json_object(path) if path.is_file() else {}

@@ -11,7 +11,7 @@ import shutil
 import statistics
 from pathlib import Path
 
-from difftransformer.apps.repro import report
+from difftransformer.apps.repro import lm_long_report, report
 from difftransformer.apps.repro.lm import (
     ABLATIONS,
     STUDY,
@@ -210,16 +210,40 @@ def _token_fraction_seeds(scale: Scale, seeds: list[int], best: dict, measures: 
 
 # writing -----------------------------------------------------------------------------------------------------------
 def write(out: Path, scale: Scale, seeds: list[int], measures: dict[str, dict]) -> dict:
+    """results.json, section.md and the figures of the study in ``out``: the short-budget parts and, when ``out``
+    holds it, the long part (``lm_long_report``)."""
     result = analyse(scale, seeds, measures)
     timings = out / TIMINGS
     result["minutes"] = {k: v / 60 for k, v in read_json_object(timings).items()} if timings.is_file() else {}
-    write_json(out / "results.json", result)
     if "grid" in result:
         _plot_scaling(result, scale, out)
         _plot_positions(result, out)
     if result["sweep"]:
         _plot_sweep(result, out)
-    (out / "section.md").write_text(markdown(result))
+    text = markdown(result)
+    long = lm_long_report.analyse(out, measures)
+    if long is not None:
+        result["long"] = long
+        lm_long_report.plot(long, out)
+        text += "\n" + "\n".join(lm_long_report.markdown(long))
+    write_json(out / "results.json", result)
+    (out / "section.md").write_text(text)
+    return result
+
+
+def write_study(out: Path) -> dict:
+    """The report of whatever study ``out`` holds: with the short-budget parts' plan (STUDY) as ``write``, else the
+    long part alone."""
+    measures = read_measures(out)
+    if (out / STUDY).is_file():
+        record = read_json_object(out / STUDY)
+        return write(out, Scale.from_record(record["scale"]), record["seeds"], measures)
+    long = lm_long_report.analyse(out, measures)
+    result = {"experiment": "lm", "long": long}
+    if long is not None:
+        lm_long_report.plot(long, out)
+        (out / "section.md").write_text("\n".join(lm_long_report.markdown(long)))
+    write_json(out / "results.json", result)
     return result
 
 
@@ -474,12 +498,12 @@ def _plot_sweep(result: dict, out: Path) -> None:
     report.finish(fig, out / "lm_sweep.png", "validation loss against the peak learning rate")
 
 
-def export(study: Path, dest: Path, scale: Scale, seeds: list[int]) -> dict:
+def export(study: Path, dest: Path) -> dict:
     """The study's report without its models and data, into ``dest`` (for committing): the plan, the timings, every
     run's measurements and learning curve (curves/NAME.jsonl), then the report written from them. A study directory
     seeded with ``dest``'s measures/ skips those runs, so a study can continue on another machine."""
     dest.mkdir(parents=True, exist_ok=True)
-    for name in (STUDY, TIMINGS):
+    for name in (STUDY, TIMINGS, *lm_long_report.PLAN_FILES):
         if (study / name).is_file():
             shutil.copy2(study / name, dest / name)
     for folder in ("measures", "curves"):
@@ -490,4 +514,4 @@ def export(study: Path, dest: Path, scale: Scale, seeds: list[int]) -> dict:
         metrics = study / "runs" / name / "metrics.jsonl"
         if metrics.is_file():
             shutil.copy2(metrics, dest / "curves" / f"{name}.jsonl")
-    return write(dest, scale, seeds, measures)
+    return write_study(dest)

@@ -63,8 +63,14 @@ def run(
         elif name == "quant":
             source = Path(models) if models else (out / "lm" if what == "all" else None)
             module.run(target, scale, seed_list, workers or 2, steps, models=source)
-        elif name == "lm":
-            module.run(target, scale, parts or module.PARTS, seed_list, workers, steps, corpora)
+        elif name == "lm":  # the short-budget parts (all three by default), then the long part when asked for
+            short = tuple(p for p in parts or module.PARTS if p != "long")
+            if short:
+                module.run(target, scale, short, seed_list, workers, steps, corpora)
+            if parts and "long" in parts:
+                from difftransformer.apps.repro import lm_long
+
+                lm_long.run(target, scale, seed_list, workers, steps, corpora)
         else:
             source = Path(models) if models and what == name else None
             module.run(target, scale, seed_list, workers or 2, steps, logit_bits=logit_bits, models=source)

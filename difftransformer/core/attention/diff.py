@@ -99,9 +99,11 @@ class MultiheadDiffAttn(AttentionBase):
         rope_scaling: dict | None = None,
         head_norm: bool = True,
         lambda_init: float | None = None,
+        head_norm_gain: float | None = None,
     ) -> None:
         """``head_norm=False`` drops the per-head RMSNorm (the paper's ablation; the output is still scaled by
-        1 - lambda_init); ``lambda_init`` replaces the layer schedule by a constant."""
+        1 - lambda_init); ``lambda_init`` replaces the layer schedule by a constant; ``head_norm_gain`` is the initial
+        value of the norm's weight (1 in the paper; this library's option, see ModelConfig)."""
         what = "two half-heads per differential head"
         super().__init__(embed_dim, num_heads, layer_idx, num_kv_heads, rope_theta, causal, 2, what, rope_scaling)
         self.impl = impl
@@ -116,6 +118,9 @@ class MultiheadDiffAttn(AttentionBase):
         self.lambda_q2 = nn.Parameter(torch.empty(d, dtype=torch.float32))
         self.lambda_k2 = nn.Parameter(torch.empty(d, dtype=torch.float32))
         self.subln = RMSNorm(2 * d, eps=norm_eps) if head_norm else None
+        if head_norm_gain is not None and not (self.subln is not None and 0 < head_norm_gain < math.inf):
+            raise InputError(f"head_norm_gain is a positive number, with head_norm=True; got {head_norm_gain!r}")
+        self.head_norm_gain = 1.0 if head_norm_gain is None else float(head_norm_gain)
         self.reset_lambda()
 
     @property
@@ -143,14 +148,18 @@ class MultiheadDiffAttn(AttentionBase):
             impl=cfg.attn_impl,
             head_norm=cfg.head_norm is not False,
             lambda_init=cfg.lambda_init,
+            head_norm_gain=cfg.head_norm_gain,
         )
 
     def reset_lambda(self, generator: torch.Generator | None = None) -> None:
-        """Re-draw the four lambda vectors from N(0, 0.1) and reset the per-head norm."""
+        """Re-draw the four lambda vectors from N(0, 0.1) and reset the per-head norm's weight to ``head_norm_gain``."""
         for p in (self.lambda_q1, self.lambda_k1, self.lambda_q2, self.lambda_k2):
             nn.init.normal_(p, mean=0.0, std=0.1, generator=generator)
         if self.subln is not None:
             self.subln.reset_parameters()
+            if self.head_norm_gain != 1.0:
+                with torch.no_grad():
+                    self.subln.weight.fill_(self.head_norm_gain)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, *args, **kwargs) -> None:
         version = (local_metadata or {}).get("version") or 0
