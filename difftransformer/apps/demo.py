@@ -187,10 +187,60 @@ def study_context(path: Path = STUDY) -> list[str]:
         result = json.loads(path.read_text())
     except (OSError, ValueError):
         return [f"(no committed language-model study at {path}: run `difftx repro lm` for seeded comparisons)"]
-    sc = result["scale"]
     where = os.path.relpath(path.with_name("section.md"))
-    lines = [f"the committed study (`difftx repro lm --scale {sc['name']}`, {where}; BPE text, each architecture at "
+    name = result["scale"]["name"] if "scale" in result else "cpu"
+    lines = [f"the committed study (`difftx repro lm --scale {name}`, {where}; BPE text, each architecture at "
              "its own best learning rate, matched data and initialisation):"]  # fmt: skip
+    lines += _long_lines(result.get("long"))
+    if "scale" in result:
+        lines += _short_lines(result)
+    if len(lines) == 1:
+        lines.append("  (its grid is not complete yet)")
+    lines.append(
+        "  the paper's advantage was measured at 0.8B-13B parameters and billions of tokens; at this size the study "
+        "above is the number to compare with, not the paper's"
+    )
+    return lines
+
+
+def _long_lines(long: dict | None) -> list[str]:
+    """The long part's answer: the variant with the lowest final loss and DIFF V1's gap, both against the standard
+    model with their 95% intervals."""
+    if long is None:
+        return []
+    if "variants" not in long:
+        return [f"  long budget (`--part long`): not complete yet ({', '.join(long['incomplete'])} to run)"]
+    from difftransformer.apps.repro.lm_long_report import LABELS
+
+    rows, regime = long["variants"], long["regime"]
+    mean = {v: sum(r["losses"]) / len(r["losses"]) for v, r in rows.items()}
+    best = min(rows, key=lambda v: mean[v] if math.isfinite(mean[v]) else math.inf)  # a diverged run is never best
+    per = regime["tokens_per_parameter"]["standard"]
+    lines = [
+        f"  long budget (`--part long`): {regime['parameters']['standard']['non_embedding'] / 1e3:.0f}k non-embedding "
+        f"parameters, {per:.1f} tokens per parameter, {len(long['seeds'])} seeds, final validation loss against the "
+        "standard model:"
+    ]
+    shown = [best] + [v for v in ("diff", "diff-norm-gain") if v != best]
+    for v in shown:
+        if v == "standard":
+            lines.append("    lowest mean: the standard model (every variant's loss is higher on average)")
+            continue
+        d = rows[v]["minus_standard"]
+        gap = (
+            "not comparable (a run diverged)"
+            if d is None
+            else f"{d['mean']:+.4f} nats (95% interval {d['low']:+.4f} to {d['high']:+.4f}"
+            + ("; within the seed noise)" if d["low"] <= 0 <= d["high"] else ")")
+        )
+        lines.append(f"    {'lowest mean: ' if v == best else ''}{LABELS[v]}: {gap}")
+    return lines
+
+
+def _short_lines(result: dict) -> list[str]:
+    """The short-budget parts: the seeded DIFF - standard difference, the grid's count and the ablations."""
+    sc = result["scale"]
+    lines = []
     hi = sc["steps"][0]
     if "paired" in result:
         mean, low, high = result["paired"]["interval"]
@@ -216,12 +266,6 @@ def study_context(path: Path = STUDY) -> list[str]:
                 f"  DIFF {shown[row['variant']]}: {mean:+.4f} nats vs DIFF (95% interval {low:+.4f} to {high:+.4f}; "
                 f"{sc['steps'][1]} steps)"
             )
-    if len(lines) == 1:
-        lines.append("  (its grid is not complete yet)")
-    lines.append(
-        "  the paper's advantage was measured at 0.8B-13B parameters and billions of tokens; at this size the study "
-        "above is the number to compare with, not the paper's"
-    )
     return lines
 
 

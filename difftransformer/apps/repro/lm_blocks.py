@@ -60,7 +60,7 @@ def block_stats(model: torch.nn.Module, windows: torch.Tensor) -> list[dict]:
         attn = block.attn
         if "core" not in rms:  # no per-head norm: the heads are the core, scaled by 1 - lambda_init in DIFF
             rms["core"] = rms["heads"] / (1 - attn.lambda_init) if hasattr(attn, "lambda_init") else rms["heads"]
-        lam = float(attn.lambda_full()) if hasattr(attn, "lambda_init") else None
+        lam = float(attn.lambda_full().detach()) if hasattr(attn, "lambda_init") else None
         grads = {name: _norm(p.grad) for name, p in attn.named_parameters() if p.grad is not None}
         grads = _grouped(grads)
         grads["ffn"] = _norm(torch.cat([p.grad.flatten() for p in block.ffn.parameters()]))

@@ -35,14 +35,18 @@ import torch
 
 from difftransformer.apps.repro import lm
 from difftransformer.apps.repro.lm_blocks import block_stats
+from difftransformer.core.attention.gqa_layout import own_layout
+from difftransformer.core.config import ModelConfig
 from difftransformer.core.model import TransformerLM, count_parameters
 from difftransformer.errors import InputError
 from difftransformer.fsutil import open_plan, read_json_object, write_text_atomic
-from difftransformer.training.config import device_problem
+from difftransformer.training.checkpoint import list_checkpoints, load_checkpoint
+from difftransformer.training.config import device_problem, resume_config
 from difftransformer.training.data import TokenData, WindowSampler, eval_windows
+from difftransformer.training.distributed import load_full_state
 from difftransformer.training.loop import Trainer
 from difftransformer.training.runs import METRICS
-from difftransformer.training.step import autocast_dtype, make_optimizer, optimizer_step
+from difftransformer.training.step import autocast_dtype, lr_at, make_optimizer, optimizer_step
 
 LONG = lm.LONG_PLAN  # the plan
 LONG_INIT = "long_init.json"  # stage 1: the initial attention RMS and the gain chosen from it
@@ -188,9 +192,9 @@ PLANS = {
         threads=None,
         ckpt_every=250,
         curve_tokens=1 << 17,
-        rationale="The CPU plan at 12 times the width and 4 times the heads (2 differential heads of 64-wide halves "
-        "per layer), at 20 tokens per non-embedding parameter; on the default corpus it repeats text 14 times, so "
-        "give a corpus of 70M tokens or more.",
+        rationale="The CPU plan at 4 times the width with heads twice as wide (4 standard heads of 64, 2 differential "
+        "heads with 64-wide halves per layer) and 4 layers, at 20 tokens per non-embedding parameter; on the default "
+        "corpus it repeats text 14 times, so give a corpus of 70M tokens or more.",
     ),
 }
 
@@ -207,13 +211,11 @@ def matched_ffn_dim(plan: LongScale) -> int:
     return v2_cfg.ffn_dim - round(excess / (3 * d_model * n_layers))
 
 
-def _config(plan: LongScale, variant: str):
-    """The ModelConfig of ``variant`` in ``plan``, as its runs build it."""
-    return (
-        lm.Run(SIZE, plan.steps[0], variant, 1e-3, 0)
-        .train_config(plan, Path("."), Path("."))
-        .model_config(plan.vocab_size)
-    )
+def _config(plan: LongScale, variant: str) -> ModelConfig:
+    """The ModelConfig of ``variant`` in ``plan``, as its runs build it (``TrainConfig.model_config``; built here
+    without a TrainConfig, which would refuse a plan's device that this machine lacks)."""
+    overrides = lm.Run(SIZE, plan.steps[0], variant, 1e-3, 0).model_overrides(plan)
+    return ModelConfig.preset("tiny", attention=plan.attention(variant), **overrides, vocab_size=plan.vocab_size)
 
 
 def tuning(plan: LongScale, measures: dict[str, dict]) -> dict[str, dict]:
@@ -322,36 +324,63 @@ def open_long(out: Path, plan: LongScale, seeds: list[int]) -> dict:
 
 
 # stage 4: timing ---------------------------------------------------------------------------------------------------
-def time_steps(plan: LongScale, data: Path, repeats: int = 3, steps: int = 20, warmup: int = 3) -> dict:
+STATES = ("init", "trained", "flushed")  # what a variant's step is timed from (time_steps)
+
+
+def time_steps(
+    plan: LongScale,
+    data: Path,
+    trained: dict[str, Path] | None = None,
+    repeats: int = 3,
+    steps: int = 12,
+    warmup: int = 3,
+) -> dict:
     """Seconds per training step of every variant at the long runs' shape, one model at a time, ``plan.threads``
     threads: ``repeats`` rounds over the variants (interleaved, so that a change in the machine's load reaches them
-    all), each the median of ``steps`` steps after ``warmup``. Returns the medians over rounds and the spread."""
+    all), each the median of ``steps`` steps after ``warmup``. Each variant is timed from its initialisation
+    ("init") and, where ``trained`` names its run, from that run's final weights and optimizer state at its last
+    learning rate ("trained"), and again so with subnormal floats flushed to zero ("flushed",
+    ``torch.set_flush_denormal``): a trained model's step can cost more than a fresh one's (on x86, arithmetic on
+    subnormal floats is many times slower), which a timing at initialisation would miss; "flushed" on a CPU that
+    can flush them only, and in the calling thread only (the CPU plan times at one thread). Returns, for each
+    state, the medians over rounds and the rounds."""
     device = torch.device(plan.device)
     threads = torch.get_num_threads()
     if plan.threads:
         torch.set_num_threads(plan.threads)
     sampler = WindowSampler(TokenData(data, "train"), plan.seq_len, plan.batch_size, seed=0)
     load_before = os.getloadavg()
-    rounds: dict[str, list[float]] = {v: [] for v in LONG_VARIANTS}
+    trained = trained or {}
+    flushing = device.type == "cpu" and torch.set_flush_denormal(True)  # a CPU that can (x86 with SSE3)
+    torch.set_flush_denormal(False)
+    timed = STATES if flushing else STATES[:2]
+    states = {v: [s for s in timed if s == "init" or v in trained] for v in LONG_VARIANTS}
+    rounds: dict[str, dict[str, list[float]]] = {s: {v: [] for v in LONG_VARIANTS if s in states[v]} for s in STATES}
     try:
         for _ in range(repeats):
             for variant in LONG_VARIANTS:
-                torch.manual_seed(0)
-                with torch.device(device):
-                    model = TransformerLM(_config(plan, variant))
-                cfg = lm.Run(SIZE, plan.steps[0], variant, 1e-3, 0).train_config(plan, data, Path("."))
-                optimizer, amp = make_optimizer(model, cfg), autocast_dtype(cfg, device)
-                times = []
-                for i in range(warmup + steps):
-                    start = time.perf_counter()
-                    result = optimizer_step(model, optimizer, [sampler.batch(i, 0, 1)], 1e-3, 1.0, device, amp)
-                    result.loss.item()  # the step has finished (on a GPU too)
-                    times.append(time.perf_counter() - start)
-                rounds[variant].append(statistics.median(times[warmup:]))
+                for state in states[variant]:
+                    model, optimizer, cfg, lr = _timed_model(plan, variant, data, trained.get(variant), state)
+                    amp = autocast_dtype(cfg, device)
+                    torch.set_flush_denormal(state == "flushed")
+                    times = []
+                    try:
+                        for i in range(warmup + steps):
+                            start = time.perf_counter()
+                            result = optimizer_step(model, optimizer, [sampler.batch(i, 0, 1)], lr, 1.0, device, amp)
+                            result.loss.item()  # the step has finished (on a GPU too)
+                            times.append(time.perf_counter() - start)
+                    finally:
+                        torch.set_flush_denormal(False)
+                    rounds[state][variant].append(statistics.median(times[warmup:]))
     finally:
         torch.set_num_threads(threads)
+    medians = {s: {v: statistics.median(r) for v, r in by.items()} for s, by in rounds.items()}
     return {
-        "seconds_per_step": {v: statistics.median(r) for v, r in rounds.items()},
+        "seconds_per_step": medians["init"],
+        "trained_seconds_per_step": medians["trained"],
+        "flushed_seconds_per_step": medians["flushed"],
+        "trained_from": {v: path.name for v, path in trained.items()},
         "rounds": rounds,
         "machine": {
             "processor": _processor(),
@@ -366,6 +395,23 @@ def time_steps(plan: LongScale, data: Path, repeats: int = 3, steps: int = 20, w
         "warmup": warmup,
         "repeats": repeats,
     }
+
+
+def _timed_model(plan: LongScale, variant: str, data: Path, run_dir: Path | None, state: str):
+    """(model, optimizer, TrainConfig, learning rate) to time: a fresh model at 1e-3, or ``run_dir``'s final
+    weights and optimizer state, with the run's own config, at its last learning rate."""
+    torch.manual_seed(0)
+    with torch.device(plan.device):
+        model = TransformerLM(_config(plan, variant))
+    if state == "init":
+        cfg = lm.Run(SIZE, plan.steps[0], variant, 1e-3, 0).train_config(plan, data, Path("."))
+        return model, make_optimizer(model, cfg), cfg, 1e-3
+    cfg = resume_config(run_dir, data=str(data))
+    optimizer = make_optimizer(model, cfg)
+    model_sd, optim_sd, meta = load_checkpoint(list_checkpoints(run_dir)[-1])
+    with own_layout():
+        load_full_state(model, optimizer, model_sd, optim_sd)
+    return model, optimizer, cfg, lr_at(meta["step"], cfg)
 
 
 def _processor() -> str:
@@ -411,7 +457,7 @@ def run(
     plan = decided_plan(plan, out, data, seeds)
     stages = (("long-tune", lambda: _tune(plan, out, data, workers)),
               ("long", lambda: _long(plan, out, data, workers, seeds)),
-              ("long-timing", lambda: _timing(plan, out, data)))  # fmt: skip
+              ("long-timing", lambda: _timing(plan, out, data, seeds)))  # fmt: skip
     for name, stage in stages:
         start = time.perf_counter()
         try:
@@ -436,8 +482,11 @@ def _long(plan: LongScale, out: Path, data: Path, workers: int, seeds: list[int]
     lm.execute(long_runs(plan, rates, seeds), plan, out, data, workers)
 
 
-def _timing(plan: LongScale, out: Path, data: Path) -> None:
+def _timing(plan: LongScale, out: Path, data: Path, seeds: list[int]) -> None:
     path = out / LONG_TIMING
     if not path.is_file():
         print("timing every variant's training step, one at a time (keep the machine otherwise idle)", flush=True)
-        write_text_atomic(path, json.dumps(time_steps(plan, data), indent=1) + "\n")
+        rates, seed = best_rates(tuning(plan, lm.read_measures(out))), seeds[0]
+        runs = {v: out / "runs" / lm.Run(SIZE, plan.steps[0], v, rates[v], seed).name for v in LONG_VARIANTS}
+        trained = {v: run for v, run in runs.items() if list_checkpoints(run)}  # a run's seed 0, trained
+        write_text_atomic(path, json.dumps(time_steps(plan, data, trained), indent=1) + "\n")

@@ -171,8 +171,8 @@ def _variant(v: str, long: dict, plan: LongScale, timing: dict | None) -> dict:
         "interval": stats.t_interval(fractions) if all(f is not None for f in fractions) else None,
     }
     if timing is not None:
-        ratio = timing["seconds_per_step"][v] / timing["seconds_per_step"]["standard"]
-        row["seconds_per_step"] = timing["seconds_per_step"][v]
+        ratio = step_seconds(timing, v) / step_seconds(timing, "standard")
+        row["seconds_per_step"] = step_seconds(timing, v)
         row["time_ratio"] = ratio
         row["time_fraction"] = {
             "by_seed": [None if f is None else f * ratio for f in fractions],
@@ -180,6 +180,13 @@ def _variant(v: str, long: dict, plan: LongScale, timing: dict | None) -> dict:
             tuple(x * ratio for x in row["token_fraction"]["interval"]),
         }  # fmt: skip
     return row
+
+
+def step_seconds(timing: dict, v: str) -> float:
+    """The seconds per step that a variant's time fraction uses: its trained model's (seed 0's final weights and
+    optimizer state: most of a run is trained at that cost, which can exceed a fresh model's), or, in a timing
+    without it, the fresh model's."""
+    return timing.get("trained_seconds_per_step", {}).get(v) or timing["seconds_per_step"][v]
 
 
 def _paired(first: dict[int, float], second: dict[int, float]) -> dict | None:
@@ -399,22 +406,7 @@ def _final_markdown(result: dict) -> list[str]:
         )
     lines.append("")
     if timing:
-        m = timing["machine"]
-        lines += [
-            f"Seconds per step, each variant timed alone ({m['processor']}, {m['cores']} cores, {m['threads']} "
-            f"thread, torch {m['torch']}; median of {timing['repeats']} interleaved rounds of {timing['steps']} "
-            f"steps after {timing['warmup']}; load average {m['load_average_before'][0]:.2f} before, "
-            f"{m['load_average_after'][0]:.2f} after): "
-            + "; ".join(
-                f"{SHORT[v]} {rows[v]['seconds_per_step']:.3f} s ({rows[v]['time_ratio']:.2f}x, rounds "
-                + " / ".join(f"{x:.3f}" for x in timing["rounds"][v])
-                + ")"
-                for v in LONG_VARIANTS
-            )
-            + ". The study's own seconds per step (two runs at a time) are in results.json and are not a speed "
-            "measurement.",
-            "",
-        ]
+        lines += _timing_markdown(result, timing)
     lines += ["**Where gaps open, close or cross** (paired difference to the standard model on the curve's held-out "
               "tokens, mean over seeds, at a quarter, half and all of the budget):", ""]  # fmt: skip
     lines += ["| variant | 25% | 50% | 100% | sign changes of the mean |", "|---|---|---|---|---|"]
@@ -428,6 +420,59 @@ def _final_markdown(result: dict) -> list[str]:
         lines.append(f"| {LABELS[v]} | " + " | ".join(_iv(tuple(g[1:])) for g in picks) + f" | {cross} |")
     lines.append("")
     lines += _positions_markdown(result)
+    return lines
+
+
+def _timing_markdown(result: dict, timing: dict) -> list[str]:
+    rows, m = result["variants"], timing["machine"]
+    trained = timing.get("trained_seconds_per_step", {})
+    flushed = timing.get("flushed_seconds_per_step", {})
+    rounds = timing["rounds"]
+    rounds = rounds if "init" in rounds else {"init": rounds}  # a timing of fresh models only
+
+    def cell(by: dict, v: str, state: str) -> str:
+        if v not in by:
+            return "-"
+        return f"{by[v]:.3f} ({' / '.join(f'{x:.3f}' for x in rounds[state][v])})"
+
+    lines = [
+        f"Seconds per step, each variant timed alone ({m['processor']}, {m['cores']} cores, {m['threads']} thread, "
+        f"{m['device']}, float32, torch {m['torch']}, {result['plan']['batch_size']} x {result['plan']['seq_len']} "
+        f"tokens; median of {timing['repeats']} interleaved rounds, each the median of {timing['steps']} steps "
+        f"after {timing['warmup']}; load average {m['load_average_before'][0]:.2f} before, "
+        f"{m['load_average_after'][0]:.2f} after). Each variant is timed from its initialisation and from seed "
+        f"{result['seeds'][0]}'s final weights and optimizer state (at its last learning rate), and so again with "
+        "subnormal floats flushed to zero (`torch.set_flush_denormal`); the time fraction above uses the trained "
+        "model's seconds. The study's own seconds per step (two runs at a time) are shown beside them, not as a "
+        "speed measurement.",
+        "",
+        "| variant | fresh model | trained | trained, subnormals flushed | trained / standard | the study's runs |",
+        "|---|---|---|---|---|---|",
+    ]
+    for v in LONG_VARIANTS:
+        ratio = f"{rows[v]['time_ratio']:.2f}x" if v in trained else "-"
+        lines.append(
+            f"| {LABELS[v]} | {cell(timing['seconds_per_step'], v, 'init')} | {cell(trained, v, 'trained')} | "
+            f"{cell(flushed, v, 'flushed')} | {ratio} | {report.mean_std(rows[v]['study_seconds_per_step'], 3)} |"
+        )
+    slow = [v for v in LONG_VARIANTS if v in trained and v in flushed and trained[v] > 1.15 * flushed[v]]
+    lines.append("")
+    if slow:
+        lines += [
+            "Subnormal floats: "
+            + "; ".join(
+                f"{LABELS[v]}'s trained step takes {trained[v] / flushed[v]:.2f} times as long as with them "
+                f"flushed (fresh: {timing['seconds_per_step'][v]:.3f} s)"
+                for v in slow
+            )
+            + ". On this processor arithmetic on subnormal numbers is slow, so "
+            + ("this variant's" if len(slow) == 1 else "these variants'")
+            + " trained weights or optimizer state make each step dearer than the fresh model's; flushing them to "
+            "zero restores the speed "
+            "(it changes the arithmetic slightly, and is off in these runs). Not measured on a GPU, whose arithmetic "
+            "handles subnormals at full speed: likely a cost of this CPU, not of the architecture.",
+            "",
+        ]
     return lines
 
 
@@ -513,7 +558,8 @@ def _explanation_markdown(result: dict, ex: dict) -> list[str]:
         "at 3 seeds, so these numbers cannot single out a cause; the block statistics show what differs at the start.",
         "initial-scale": "The numbers support the initial-scale explanation: starting DIFF V1's per-head norm at the "
         "gain that gives its attention blocks the standard model's output RMS removes its deficit (the matched-gain "
-        "model is better than DIFF V1 and not worse than the standard model, both outside the seed noise).",
+        "model is better than DIFF V1 beyond the seed noise, and its difference to the standard model is within "
+        "the seed noise).",
         "initial-scale-part": "The numbers support the initial-scale explanation in part: the matched gain makes DIFF "
         "V1 better (interval below zero) but leaves it behind the standard model.",
         "diverged": "A run of DIFF V1 or of the matched-gain variant diverged: no reading.",
@@ -521,7 +567,17 @@ def _explanation_markdown(result: dict, ex: dict) -> list[str]:
         "matched gain does not make DIFF V1 better beyond the seed noise, so the deficit comes from the norm's effect "
         "during training, not from its scale at initialisation.",
     }
-    return lines + ["**Reading.** " + text[ex["reading"]]]
+    reading = "**Reading.** " + text[ex["reading"]]
+    norm_gap = rows.get("standard-head-norm", {}).get("minus_standard")
+    if norm_gap is not None:
+        sign = "costs it" if norm_gap["low"] > 0 else "gains it" if norm_gap["high"] < 0 else "changes it by"
+        reading += f" The same per-head norm at gain 1 added to the standard model {sign} {_iv(norm_gap)} nats" + (
+            ": at gain 1 the norm hurts the standard model too, so the cost is the norm's, "
+            "not differential attention's."
+            if norm_gap["low"] > 0
+            else "."
+        )
+    return lines + [reading]
 
 
 # figures -----------------------------------------------------------------------------------------------------------
@@ -562,7 +618,7 @@ def _plot_curves(result: dict, path: Path) -> None:
         mean = _curve_mean(row["curves"])
         axes[0].plot([m[0] for m in mean], [m[1] for m in mean], color=COLORS[v], lw=2, label=SHORT[v])
         if timing:
-            sec = timing["seconds_per_step"][v] / tokens_per_step
+            sec = step_seconds(timing, v) / tokens_per_step
             axes[2].plot([m[0] * sec for m in mean], [m[1] for m in mean], color=COLORS[v], lw=2)
         if v != "standard":
             gap = row["gap_curve"]
@@ -578,7 +634,7 @@ def _plot_curves(result: dict, path: Path) -> None:
     axes[1].axhline(0, color="k", lw=0.8)
     axes[1].set(xlabel="training tokens", ylabel="minus standard (nats/token)",
                 title="paired difference to standard (band: 95% interval)")  # fmt: skip
-    axes[2].set(xlabel="seconds (timed alone, one thread)", ylabel="validation loss",
+    axes[2].set(xlabel="seconds (the trained step, timed alone, one thread)", ylabel="validation loss",
                 title="mean against time" if timing else "(not timed yet)")  # fmt: skip
     for ax in axes:
         ax.title.set_fontsize(10)
