@@ -406,15 +406,15 @@ def format_train(result: dict) -> str:
     return "\n".join(lines)
 
 
-def _decode_seconds(model, context: int, tokens: int) -> list[float]:
-    """Seconds of each one-token decode step after a prefill of ``context`` random tokens (batch 1). ``model`` may be
-    ``torch.compile(TransformerLM)``: every step has the same shapes (the cache's fixed slots), so it compiles once
-    per context, in the warm-up step."""
+def _decode_seconds(model, context: int, tokens: int, batch: int = 1) -> list[float]:
+    """Seconds of each one-token decode step after a prefill of ``context`` random tokens (``batch`` rows). ``model``
+    may be ``torch.compile(TransformerLM)``: every step has the same shapes (the cache's fixed slots), so it
+    compiles once per context, in the warm-up step."""
     lm = getattr(model, "_orig_mod", model)
-    cache = KVCache(lm, 1, context + tokens + 1)
-    token = torch.randint(0, lm.config.vocab_size, (1, 1))
+    cache = KVCache(lm, batch, context + tokens + 1)
+    token = torch.randint(0, lm.config.vocab_size, (batch, 1))
     with torch.no_grad():
-        lm(torch.randint(0, lm.config.vocab_size, (1, context)), cache=cache)  # eager prefill: slots 0..context-1
+        lm(torch.randint(0, lm.config.vocab_size, (batch, context)), cache=cache)  # eager prefill: 0..context-1
         model(token, cache=cache, slots=torch.tensor([context]))  # warm-up step
         times = []
         for i in range(1, tokens + 1):
@@ -450,7 +450,9 @@ class _HFGenerate:
         )  # fmt: skip
 
 
-def _decode_rows(models: dict[str, TransformerLM], contexts: list[int], tokens: int, repeats: int) -> list[dict]:
+def _decode_rows(
+    models: dict[str, TransformerLM], contexts: list[int], tokens: int, repeats: int, batch: int = 1
+) -> list[dict]:
     """Median decode tokens/s of each model at each context, the models interleaved so that load hits them alike."""
     rows = []
     for context in contexts:
@@ -460,9 +462,9 @@ def _decode_rows(models: dict[str, TransformerLM], contexts: list[int], tokens: 
                 if isinstance(model, _HFGenerate):
                     samples[name] += model.seconds(context, tokens)
                 else:
-                    samples[name] += _decode_seconds(model, context, tokens)
+                    samples[name] += _decode_seconds(model, context, tokens, batch)
                 _Calls.tick(f"{name} at context {context}")
-        rows.append({"context": context, "tokens_per_s": {n: 1 / statistics.median(t) for n, t in samples.items()}})
+        rows.append({"context": context, "tokens_per_s": {n: batch / statistics.median(t) for n, t in samples.items()}})
     return rows
 
 
@@ -473,10 +475,16 @@ def bench_decode(
     repeats: int = 3,
     compile: bool = False,
     hf: bool = False,
+    batch: int = 1,
 ) -> dict:
-    """Decode tokens/s with a KV cache, DIFF vs standard built from the same preset (batch 1); with ``compile`` also
+    """Decode tokens/s with a KV cache, DIFF vs standard built from the same preset (``batch`` rows a step; tokens/s
+    counts every row's token; ``hf`` times batch 1 only); with ``compile`` also
     each model's decode step under torch.compile (fullgraph); with ``hf`` also the same weights exported to
     transformers (DiffLlama, Llama) and timed through ``generate()``."""
+    if hf and batch != 1:
+        from difftransformer.errors import InputError
+
+        raise InputError("bench decode --hf times transformers generate() at batch 1 only; drop --hf or --batch")
     models = {}
     for attention in ("diff", "standard"):
         torch.manual_seed(0)
@@ -491,13 +499,13 @@ def bench_decode(
         for attention in ("diff", "standard"):
             models[f"hf-{attention}"] = _HFGenerate(to_hf(models[attention]))
     with _Calls.tracking("decode", len(contexts) * repeats * len(models)):
-        rows = _decode_rows(models, contexts, tokens, repeats)
+        rows = _decode_rows(models, contexts, tokens, repeats, batch)
     cfg = models["diff"].config
     return _result(
         "decode",
         dict(
             preset=preset,
-            batch=1,
+            batch=batch,
             d_model=cfg.d_model,
             n_layers=cfg.n_layers,
             standard_heads=cfg.n_heads,
@@ -515,7 +523,7 @@ def format_decode(result: dict) -> str:
     lines = [
         _title(result),
         f"preset {s['preset']} (d_model {s['d_model']}, {s['n_layers']} layers, DIFF {s['diff_heads']} heads vs "
-        f"standard {s['standard_heads']} of size {s['head_dim']}), batch 1, median over "
+        f"standard {s['standard_heads']} of size {s['head_dim']}), batch {s['batch']}, median over "
         f"{result['repeats']} x {s['new_tokens']} one-token steps after a prefill",
         "",
         "| context | standard tokens/s | DIFF tokens/s | DIFF / standard |",

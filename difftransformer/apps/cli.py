@@ -82,7 +82,9 @@ def _bench(args: argparse.Namespace) -> int:
             result = bench.bench_quantized(args.run, args.context, args.tokens, args.repeats)
             print(bench.format_quantized(result))
         else:
-            result = bench.bench_decode(args.context, args.preset, args.tokens, args.repeats, args.compile, args.hf)
+            result = bench.bench_decode(
+                args.context, args.preset, args.tokens, args.repeats, args.compile, args.hf, args.batch or 1
+            )
             print(bench.format_decode(result))
     finally:
         torch.set_num_threads(threads)
@@ -618,7 +620,7 @@ def _bench_command(sub) -> None:
     )
     bench.add_argument("--dim", type=_at_least(1), default=512, help="attention: the model width")
     bench.add_argument("--heads", type=_at_least(2), default=8, help="standard heads (DIFF uses half)")
-    bench.add_argument("--batch", type=_at_least(1), help="attention: 1, train: 4")
+    bench.add_argument("--batch", type=_at_least(1), help="attention: 1, train: 4, decode: 1")
     bench.add_argument("--repeats", type=_at_least(1), default=3, help="interleaved repeats; medians are reported")
     bench.add_argument("--threads", type=_at_least(1), default=1, help="CPU threads")
     bench.add_argument("--device", default="cpu", help="attention, train: cpu or cuda")

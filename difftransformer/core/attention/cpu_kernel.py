@@ -94,6 +94,7 @@ def _load() -> bool:
             stacklevel=3,
         )
         return False
+    _register_fake()
     return True
 
 
@@ -135,6 +136,58 @@ def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
         and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
         and available()
     )
+
+
+def decode_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether the decode kernel handles these inputs: as ``supported``, and under torch.compile too (the op has a
+    fake implementation, so a compiled decode step calls it without a graph break)."""
+    return (
+        q.device.type == "cpu"
+        and q.dtype in (torch.float32, torch.float64)
+        and q.dtype == k.dtype == v.dtype
+        and k.stride(-1) == v.stride(-1) == 1
+        and _available_constant()
+    )
+
+
+@torch.compiler.assume_constant_result
+def _available_constant() -> bool:
+    """``available()`` as a constant of a compiled graph (whether the kernel is built does not change in a process)."""
+    return available()
+
+
+def fused_decode(q, k, v, lambda_full, scale, causal, mask) -> torch.Tensor:
+    """Few query rows against a cache, no gradient -> A (B, H, Tq, 2d), a transposed view of token-major storage:
+    one pass over the cache per key/value group. mask: None or boolean (B|1, 1, Tq, Tk)."""
+    mask = None if mask is None else mask.expand(mask.shape[0], 1, q.shape[3], k.shape[3])[:, 0].contiguous()
+    out = torch.ops.difftx.diff_decode(q.contiguous(), k, v, lambda_full.detach(), scale, causal, mask)
+    return out.transpose(1, 2)
+
+
+def fused_decode_heads(attn, q, k, v, causal, mask) -> torch.Tensor:
+    """One decode step of differential attention module ``attn`` after its projections, in one kernel call: lambda
+    from its four vectors, A (as ``fused_decode``) and its per-head norm times 1 - lambda_init (or, without the norm,
+    the factor alone) -> (B, Tq, H, 2d), token-major, the rows out_proj reads. ``causal``: as for ``fused_decode``
+    (False with a cache, whose mask says what each slot sees)."""
+    mask = None if mask is None else mask.expand(mask.shape[0], 1, q.shape[3], k.shape[3])[:, 0].contiguous()
+    norm = attn.subln
+    return torch.ops.difftx.diff_decode_heads(
+        q.contiguous(), k, v, attn.lambda_q1, attn.lambda_k1, attn.lambda_q2, attn.lambda_k2, attn.lambda_init,
+        attn.scaling, causal, mask, None if norm is None else norm.weight, 0.0 if norm is None else norm.eps,
+        1 - attn.lambda_init,
+    )  # fmt: skip
+
+
+def _register_fake() -> None:
+    """Shapes of the decode op for torch.compile's tracing (the op itself runs only on real CPU tensors)."""
+
+    @torch.library.register_fake("difftx::diff_decode")
+    def _(q, k, v, lam, scale, causal, mask):
+        return q.new_empty((q.shape[0], q.shape[3], q.shape[1], v.shape[3]))
+
+    @torch.library.register_fake("difftx::diff_decode_heads")
+    def _(q, k, v, lq1, lk1, lq2, lk2, lambda_init, scale, causal, mask, norm_weight, eps, factor):
+        return q.new_empty((q.shape[0], q.shape[3], q.shape[1], v.shape[3]))
 
 
 def fused_block(q, k, v, lambda_full, scale, causal, mask, block) -> torch.Tensor:

@@ -26,12 +26,13 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from difftransformer.core.attention import cpu_kernel
 from difftransformer.core.attention.common import AttentionBase, KVStore, attended, rotary_of
 from difftransformer.core.attention.gqa_layout import warn_unknown_pairing
-from difftransformer.core.attention.kernels import attention_probs, diff_method, softmax_dtype
+from difftransformer.core.attention.kernels import DECODE_ROWS, attention_probs, diff_method, softmax_dtype
 from difftransformer.core.attention.logits import active_probe
 from difftransformer.core.config import DIFF_IMPLS, ModelConfig
-from difftransformer.core.layers import RMSNorm, head_norm_project
+from difftransformer.core.layers import RMSNorm, bypassable, head_norm_project
 from difftransformer.core.rotary import apply_rotary
 from difftransformer.errors import InputError
 
@@ -191,9 +192,11 @@ class MultiheadDiffAttn(AttentionBase):
         """
         b, t, _ = x.shape
         q, k, v, mask = self._project(x, mask, positions, cache, rotary)
+        causal = self.causal and cache is None  # with a cache, its mask says what each slot sees
+        if not need_weights and self._decodes_fused(q, k, v):  # lambda, A and the per-head norm in one kernel call
+            return self.out_proj(cpu_kernel.fused_decode_heads(self, q, k, v, causal, mask).reshape(b, t, -1))
         lam = self.lambda_full()
         weights = None
-        causal = self.causal and cache is None  # with a cache, its mask says what each slot sees
         if need_weights or active_probe() is not None:  # the maps are wanted, or their logits observed
             attn, weights = differential_attention(q, k, v, lam, scale=self.scaling, causal=causal, mask=mask)
         else:  # the same A by the exact method chosen at construction, without holding the maps
@@ -203,6 +206,20 @@ class MultiheadDiffAttn(AttentionBase):
         else:  # the ablation without the per-head norm keeps the factor
             out = self.out_proj((attn * (1 - self.lambda_init)).transpose(1, 2).reshape(b, t, -1))
         return (out, weights) if need_weights else out
+
+    def _decodes_fused(self, q, k, v) -> bool:
+        """Whether this call is a decode step for the fused decode kernel: ``auto``, no gradient, at most DECODE_ROWS
+        queries, no logit probe, a kernel for these inputs, and a plain per-head norm in q's dtype (a norm with hooks,
+        or another module, is called as a module on the path below)."""
+        return (
+            self.impl == "auto"
+            and q.shape[3] <= DECODE_ROWS
+            and not torch.is_grad_enabled()
+            and active_probe() is None
+            and (self.subln is None or (bypassable(self.subln) and self.subln.weight.dtype == q.dtype))
+            and self.lambda_q1.dtype in (torch.float32, torch.float64)
+            and cpu_kernel.decode_supported(q, k, v)
+        )
 
     def _project(self, x, mask, positions, cache, rotary):
         """q (B, H, 2, T, d), k (B, Hkv, 2, Tk, d), v (B, Hkv, Tk, 2d) with rotary and cache, and the expanded mask."""

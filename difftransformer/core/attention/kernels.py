@@ -36,7 +36,10 @@ Exact methods for differential attention, chosen by ``impl``:
   other head sizes or dtypes) take the ``auto`` path. Not chosen by ``auto``: no measurement on a GPU shows it
   faster yet.
 
-Decoding (``auto``, at most DECODE_ROWS queries, no gradient) computes the full rows directly.
+Decoding (``auto``, at most DECODE_ROWS queries, no gradient) computes the full rows directly: on CPU in float32 or
+float64 through the fused decode kernel (``cpu_kernel.fused_decode``, eager and under torch.compile), which reads
+each cached key and value once per key/value group for both maps and every query head of the group, and only up to
+each row's last visible slot.
 """
 
 from __future__ import annotations
@@ -280,7 +283,16 @@ METHODS = {"auto": _auto, "sdpa": _sdpa, "block": _block, "triton": _triton}
 
 
 def _diff_decode(q, k, v, lambda_full, scale, causal, mask):
-    """A few query rows (decoding from a cache), no gradient: full rows, keys and values read once per group."""
+    """A few query rows (decoding from a cache), no gradient: the fused decode kernel on CPU (``cpu_kernel.py``: one
+    pass over the cache per group, each key and value read once), else full rows in PyTorch, keys and values read
+    once per group."""
+    if cpu_kernel.decode_supported(q, k, v):
+        return cpu_kernel.fused_decode(q, k, v, lambda_full, scale, causal, mask)
+    return _diff_decode_torch(q, k, v, lambda_full, scale, causal, mask)
+
+
+def _diff_decode_torch(q, k, v, lambda_full, scale, causal, mask):
+    """``_diff_decode`` in PyTorch operations (no kernel, other dtypes or devices)."""
     b, h, _, tq, d = q.shape
     hkv, tk = k.shape[1], k.shape[3]
     rep = h // hkv

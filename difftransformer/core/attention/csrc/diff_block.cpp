@@ -11,6 +11,9 @@
 // True where a query may attend. Causal: query i sees key j when j <= i + Tk - Tq. A row that may attend nothing
 // gets zero probabilities (and output). The output A is returned token-major, (B, Tq, H, 2d), the layout in which
 // the per-head norm and out_proj read it (no transposed copy); the backward takes its gradient in that layout.
+//
+// diff_decode: the same A for few query rows against a long cache without gradient (decoding), in one pass over the
+// cache per key/value group (decode_impl below).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -281,6 +284,126 @@ std::vector<at::Tensor> backward_impl(const at::Tensor& grad_out, const at::Tens
   return {dq, dk, dv, at::scalar_tensor(dlam, q.options())};
 }
 
+// Decoding: few query rows against a long cache, no gradient. For each (batch, key/value group) the rows of all
+// rep query heads of the group are handled together (row r * Tq + i is head g * rep + r, query i), so each cached
+// key half is read once for the group's rows of its map and each cached value once for both maps and every row:
+// the scores of both maps, their softmax rows and (p1 - lambda p2) v are computed in one pass over the cache by the
+// kernel's own loops (no matrix-product calls, whose fixed cost dominates at one row). A row reads the keys up to
+// its last visible one only: the slots a cache has not filled yet, masked, are skipped. q, k and v are read through
+// their strides (a unit stride in the last dimension is required); the output is token-major (B, Tq, H, 2d).
+// out[j] = scale * (q . k_j) for the n keys k_j = k + j * ks: four keys at a time, so that each pass over q serves
+// four dot products and the horizontal sums are amortised.
+template <typename T>
+void scores_of(const T* __restrict q, const T* __restrict k, int64_t ks, int64_t n, int64_t d, T scale,
+               T* __restrict out) {
+  int64_t j = 0;
+  for (; j + 4 <= n; j += 4) {
+    const T* k0 = k + j * ks;
+    const T* k1 = k0 + ks;
+    const T* k2 = k1 + ks;
+    const T* k3 = k2 + ks;
+    T a0 = 0, a1 = 0, a2 = 0, a3 = 0;
+    for (int64_t x = 0; x < d; ++x) {
+      const T qx = q[x];
+      a0 += qx * k0[x];
+      a1 += qx * k1[x];
+      a2 += qx * k2[x];
+      a3 += qx * k3[x];
+    }
+    out[j] = a0 * scale;
+    out[j + 1] = a1 * scale;
+    out[j + 2] = a2 * scale;
+    out[j + 3] = a3 * scale;
+  }
+  for (; j < n; ++j) {
+    const T* kj = k + j * ks;
+    T a = 0;
+    for (int64_t x = 0; x < d; ++x) a += q[x] * kj[x];
+    out[j] = a * scale;
+  }
+}
+
+// acc += sum_j p[j] v_j over the n values v_j = v + j * vs (width dv): four values per update of acc.
+template <typename T>
+void accumulate(const T* __restrict p, const T* __restrict v, int64_t vs, int64_t n, int64_t dv, T* __restrict acc) {
+  int64_t j = 0;
+  for (; j + 4 <= n; j += 4) {
+    const T* v0 = v + j * vs;
+    const T* v1 = v0 + vs;
+    const T* v2 = v1 + vs;
+    const T* v3 = v2 + vs;
+    const T p0 = p[j], p1 = p[j + 1], p2 = p[j + 2], p3 = p[j + 3];
+    for (int64_t x = 0; x < dv; ++x) acc[x] += p0 * v0[x] + p1 * v1[x] + p2 * v2[x] + p3 * v3[x];
+  }
+  for (; j < n; ++j) {
+    const T* vj = v + j * vs;
+    const T pj = p[j];
+    for (int64_t x = 0; x < dv; ++x) acc[x] += pj * vj[x];
+  }
+}
+
+// norm_weight: null for A itself; else each head's row becomes RMSNorm(A_h) * norm_weight * factor, the per-head
+// norm of differential attention (factor 1 - lambda_init), computed as layers.py computes it. Without a weight, a
+// factor other than 1 scales A (the ablation without the norm).
+template <typename T>
+at::Tensor decode_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double lambda, double scale,
+                       bool causal, const at::Tensor& mask, const T* norm_weight = nullptr, double eps = 0,
+                       double factor = 1) {
+  const Shapes s = shapes_of(q, k, v, causal);
+  at::Tensor out = at::empty({s.b, s.tq, s.h, s.dv}, q.options());
+  const T lam = static_cast<T>(lambda), sc = static_cast<T>(scale);
+  const T* qp = q.data_ptr<T>();
+  const T* kp = k.data_ptr<T>();
+  const T* vp = v.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const int64_t qs0 = q.stride(0), qs1 = q.stride(1), qs2 = q.stride(2), qs3 = q.stride(3);
+  const int64_t ks0 = k.stride(0), ks1 = k.stride(1), ks2 = k.stride(2), ks3 = k.stride(3);
+  const int64_t vs0 = v.stride(0), vs1 = v.stride(1), vs2 = v.stride(2);
+  const int64_t rows = s.rep * s.tq, d = s.d, dv = s.dv, tk = s.tk;
+  at::parallel_for(0, s.b * s.hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<T> e(2 * tk), acc(dv);
+    for (int64_t bg = begin; bg < end; ++bg) {
+      const int64_t b = bg / s.hkv, g = bg % s.hkv;
+      const bool* mrows = mask_rows_of(mask, s, b);
+      const T* vg = vp + b * vs0 + g * vs1;
+      for (int64_t row = 0; row < rows; ++row) {
+        const int64_t r = row / s.tq, i = row % s.tq, h = g * s.rep + r;
+        const bool* allowed = mrows ? mrows + i * tk : nullptr;
+        int64_t n = reach(s, i);
+        if (allowed) {
+          while (n > 0 && !allowed[n - 1]) --n;  // up to the last visible key
+        }
+        T w[2];
+        for (int64_t c = 0; c < 2; ++c) {
+          T* er = e.data() + c * tk;
+          scores_of<T>(qp + b * qs0 + h * qs1 + c * qs2 + i * qs3, kp + b * ks0 + g * ks1 + c * ks2, ks3, n, d, sc,
+                       er);
+          w[c] = allowed ? exp_row<T, true>(er, n, n, allowed) : exp_row<T, false>(er, n, n, nullptr);
+        }
+        T* p = e.data();
+        const T* p2 = e.data() + tk;
+        const T w1 = w[0], w2 = lam * w[1];
+        for (int64_t j = 0; j < n; ++j) p[j] = p[j] * w1 - p2[j] * w2;  // p1 - lambda p2
+        std::fill(acc.begin(), acc.end(), T(0));
+        accumulate<T>(p, vg, vs2, n, dv, acc.data());
+        T* o = op + ((b * s.tq + i) * s.h + h) * dv;
+        if (norm_weight != nullptr) {
+          T ms = 0;
+          for (int64_t x = 0; x < dv; ++x) ms += acc[x] * acc[x];
+          const T rstd = T(1) / std::sqrt(ms / static_cast<T>(dv) + static_cast<T>(eps)), f = static_cast<T>(factor);
+          for (int64_t x = 0; x < dv; ++x) o[x] = acc[x] * rstd * (norm_weight[x] * f);
+        } else if (factor != 1) {
+          const T f = static_cast<T>(factor);
+          for (int64_t x = 0; x < dv; ++x) o[x] = acc[x] * f;
+        } else {
+          std::copy(acc.begin(), acc.end(), o);
+        }
+      }
+    }
+  });
+  return out;
+}
+
 // The mask as the loops read it: undefined, or boolean (B|1, Tq, Tk) contiguous on CPU (a broadcast query axis
 // must be expanded by the caller; the rows are read by index).
 at::Tensor checked_mask(const c10::optional<at::Tensor>& mask, const at::Tensor& q, const at::Tensor& k) {
@@ -300,6 +423,64 @@ at::Tensor diff_block_forward(const at::Tensor& q, const at::Tensor& k, const at
   const double lambda = lam.item<double>();  // a CPU tensor: a read, not a device synchronisation
   if (q.scalar_type() == at::kDouble) return forward_impl<double>(q, k, v, lambda, scale, causal, m, block);
   return forward_impl<float>(q, k, v, lambda, scale, causal, m, block);
+}
+
+at::Tensor diff_decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& lam,
+                       double scale, bool causal, const c10::optional<at::Tensor>& mask) {
+  check_inputs(q, k, v, lam, 1, nullptr);
+  const at::Tensor m = checked_mask(mask, q, k);
+  const double lambda = lam.item<double>();
+  if (q.scalar_type() == at::kDouble) return decode_impl<double>(q, k, v, lambda, scale, causal, m);
+  return decode_impl<float>(q, k, v, lambda, scale, causal, m);
+}
+
+// lambda = exp(lambda_q1 . lambda_k1) - exp(lambda_q2 . lambda_k2) + lambda_init, in the vectors' dtype (float32
+// or float64), as MultiheadDiffAttn.lambda_full computes it.
+template <typename L>
+double lambda_from(const at::Tensor& q1, const at::Tensor& k1, const at::Tensor& q2, const at::Tensor& k2,
+                   double lambda_init) {
+  const L *a = q1.data_ptr<L>(), *b = k1.data_ptr<L>(), *c = q2.data_ptr<L>(), *e = k2.data_ptr<L>();
+  L d1 = 0, d2 = 0;
+  for (int64_t x = 0; x < q1.numel(); ++x) {
+    d1 += a[x] * b[x];
+    d2 += c[x] * e[x];
+  }
+  return static_cast<double>(std::exp(d1) - std::exp(d2) + static_cast<L>(lambda_init));
+}
+
+// A decode step of one differential attention layer's core after its projections: lambda from its four vectors,
+// A, and the per-head norm (or the ablation's factor), token-major (B, Tq, H, 2d) as out_proj reads it.
+at::Tensor diff_decode_heads(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                             const at::Tensor& lambda_q1, const at::Tensor& lambda_k1, const at::Tensor& lambda_q2,
+                             const at::Tensor& lambda_k2, double lambda_init, double scale, bool causal,
+                             const c10::optional<at::Tensor>& mask, const c10::optional<at::Tensor>& norm_weight,
+                             double eps, double factor) {
+  for (const at::Tensor* t : {&lambda_q1, &lambda_k1, &lambda_q2, &lambda_k2}) {
+    TORCH_CHECK(t->defined() && t->device().is_cpu() && t->dim() == 1 && t->is_contiguous() &&
+                    t->numel() == lambda_q1.numel() && t->scalar_type() == lambda_q1.scalar_type() &&
+                    (t->scalar_type() == at::kFloat || t->scalar_type() == at::kDouble),
+                "diff_decode_heads: the four lambda vectors must be contiguous 1-D CPU tensors of one size and one "
+                "dtype, float32 or float64");
+  }
+  const double lambda = lambda_q1.scalar_type() == at::kDouble
+                            ? lambda_from<double>(lambda_q1, lambda_k1, lambda_q2, lambda_k2, lambda_init)
+                            : lambda_from<float>(lambda_q1, lambda_k1, lambda_q2, lambda_k2, lambda_init);
+  const at::Tensor lam = at::scalar_tensor(lambda, q.options());
+  check_inputs(q, k, v, lam, 1, nullptr);
+  const at::Tensor m = checked_mask(mask, q, k);
+  at::Tensor w;
+  if (norm_weight.has_value() && norm_weight->defined()) {
+    w = *norm_weight;
+    TORCH_CHECK(w.device().is_cpu() && w.dim() == 1 && w.is_contiguous() && w.numel() == v.size(3) &&
+                    w.scalar_type() == q.scalar_type(),
+                "diff_decode_heads: norm_weight must be a contiguous 1-D CPU tensor of ", v.size(3),
+                " values in q's dtype ", q.scalar_type());
+  }
+  if (q.scalar_type() == at::kDouble)
+    return decode_impl<double>(q, k, v, lambda, scale, causal, m, w.defined() ? w.data_ptr<double>() : nullptr, eps,
+                               factor);
+  return decode_impl<float>(q, k, v, lambda, scale, causal, m, w.defined() ? w.data_ptr<float>() : nullptr, eps,
+                            factor);
 }
 
 std::vector<at::Tensor> diff_block_backward(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
@@ -323,9 +504,15 @@ TORCH_LIBRARY(difftx, m) {
         "int block) -> Tensor");
   m.def("diff_block_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor lam, float scale, bool causal, "
         "Tensor? mask, int block) -> Tensor[]");
+  m.def("diff_decode(Tensor q, Tensor k, Tensor v, Tensor lam, float scale, bool causal, Tensor? mask) -> Tensor");
+  m.def("diff_decode_heads(Tensor q, Tensor k, Tensor v, Tensor lambda_q1, Tensor lambda_k1, Tensor lambda_q2, "
+        "Tensor lambda_k2, float lambda_init, float scale, bool causal, Tensor? mask, Tensor? norm_weight, float eps, "
+        "float factor) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(difftx, CPU, m) {
   m.impl("diff_block_forward", &diff_block_forward);
   m.impl("diff_block_backward", &diff_block_backward);
+  m.impl("diff_decode", &diff_decode);
+  m.impl("diff_decode_heads", &diff_decode_heads);
 }
