@@ -159,7 +159,7 @@ def _available_constant() -> bool:
 def fused_decode(q, k, v, lambda_full, scale, causal, mask) -> torch.Tensor:
     """Few query rows against a cache, no gradient -> A (B, H, Tq, 2d), a transposed view of token-major storage:
     one pass over the cache per key/value group. mask: None or boolean (B|1, 1, Tq, Tk)."""
-    mask = None if mask is None else mask.expand(mask.shape[0], 1, q.shape[3], k.shape[3])[:, 0].contiguous()
+    mask = _decode_mask(mask, q, k)
     out = torch.ops.difftx.diff_decode(q.contiguous(), k, v, lambda_full.detach(), scale, causal, mask)
     return out.transpose(1, 2)
 
@@ -169,13 +169,18 @@ def fused_decode_heads(attn, q, k, v, causal, mask) -> torch.Tensor:
     from its four vectors, A (as ``fused_decode``) and its per-head norm times 1 - lambda_init (or, without the norm,
     the factor alone) -> (B, Tq, H, 2d), token-major, the rows out_proj reads. ``causal``: as for ``fused_decode``
     (False with a cache, whose mask says what each slot sees)."""
-    mask = None if mask is None else mask.expand(mask.shape[0], 1, q.shape[3], k.shape[3])[:, 0].contiguous()
+    mask = _decode_mask(mask, q, k)
     norm = attn.subln
     return torch.ops.difftx.diff_decode_heads(
         q.contiguous(), k, v, attn.lambda_q1, attn.lambda_k1, attn.lambda_q2, attn.lambda_k2, attn.lambda_init,
         attn.scaling, causal, mask, None if norm is None else norm.weight, 0.0 if norm is None else norm.eps,
         1 - attn.lambda_init,
     )  # fmt: skip
+
+
+def _decode_mask(mask, q, k):
+    """A (B|1, 1, Tq|1, Tk) mask as the decode ops read it: (B|1, Tq, Tk), contiguous; None stays None."""
+    return None if mask is None else mask.expand(mask.shape[0], 1, q.shape[3], k.shape[3])[:, 0].contiguous()
 
 
 def _register_fake() -> None:

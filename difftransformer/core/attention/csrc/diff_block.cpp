@@ -284,13 +284,6 @@ std::vector<at::Tensor> backward_impl(const at::Tensor& grad_out, const at::Tens
   return {dq, dk, dv, at::scalar_tensor(dlam, q.options())};
 }
 
-// Decoding: few query rows against a long cache, no gradient. For each (batch, key/value group) the rows of all
-// rep query heads of the group are handled together (row r * Tq + i is head g * rep + r, query i), so each cached
-// key half is read once for the group's rows of its map and each cached value once for both maps and every row:
-// the scores of both maps, their softmax rows and (p1 - lambda p2) v are computed in one pass over the cache by the
-// kernel's own loops (no matrix-product calls, whose fixed cost dominates at one row). A row reads the keys up to
-// its last visible one only: the slots a cache has not filled yet, masked, are skipped. q, k and v are read through
-// their strides (a unit stride in the last dimension is required); the output is token-major (B, Tq, H, 2d).
 // out[j] = scale * (q . k_j) for the n keys k_j = k + j * ks: four keys at a time, so that each pass over q serves
 // four dot products and the horizontal sums are amortised.
 template <typename T>
@@ -342,6 +335,13 @@ void accumulate(const T* __restrict p, const T* __restrict v, int64_t vs, int64_
   }
 }
 
+// Decoding: few query rows against a long cache, no gradient. Each (batch, key/value group) is one task; within it
+// every query row (head g * rep + r, query i) is handled alone: the scores of both maps, their softmax rows and
+// (p1 - lambda p2) v in one pass over the cache by the kernel's own loops (no matrix-product calls, whose fixed
+// cost dominates at one row), each cached value read once for both maps. With GQA the rep heads of a group each
+// read the group's keys and values again. A row reads the keys up to its last visible one only: the slots a cache
+// has not filled yet, masked, are skipped. q, k and v are read through their strides (a unit stride in the last
+// dimension is required); the output is token-major (B, Tq, H, 2d).
 // norm_weight: null for A itself; else each head's row becomes RMSNorm(A_h) * norm_weight * factor, the per-head
 // norm of differential attention (factor 1 - lambda_init), computed as layers.py computes it. Without a weight, a
 // factor other than 1 scales A (the ablation without the norm).
