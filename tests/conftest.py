@@ -34,6 +34,15 @@ def _seed_and_threads():
     yield
 
 
+@pytest.fixture(params=[1, 2], ids=lambda n: f"{n}-thread")
+def threads(request):
+    """Run a test at 1 and at 2 torch threads (the fused kernel splits its tasks differently), restored after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
 def randomize_diff_params(attn, scale: float = 0.5) -> None:
     """Move lambda vectors far from zero and make subln.weight non-trivial, so tests can see them."""
     with torch.no_grad():

@@ -3,7 +3,9 @@
 import json
 
 import pytest
+import torch
 
+from difftransformer.apps import bench
 from difftransformer.apps.cli import main
 
 
@@ -93,10 +95,14 @@ def test_bench_train_smoke(tmp_path, capsys):
         )
         == 0
     )
-    assert "HF DiffLlama ms" in capsys.readouterr().out
-    row = json.loads(out.read_text())["rows"][0]
+    table = capsys.readouterr().out
+    assert "HF DiffLlama ms" in table and "diff / matmul" in table
+    result = json.loads(out.read_text())
+    row = result["rows"][0]
     assert set(row["seconds"]) == {"diff", "standard", "hf-diffllama"}
     assert all(v > 0 for v in row["activation_bytes"].values())
+    assert len(result["matmul"]["flops_per_s"]) == 2 and min(result["matmul"]["flops_per_s"]) > 0
+    assert row["step_flops"]["hf-diffllama"] == row["step_flops"]["diff"] > 0  # the same architecture's count
 
 
 def test_bench_decode_counts_every_rows_token_at_batch_8(tmp_path, capsys):
@@ -108,3 +114,78 @@ def test_bench_decode_counts_every_rows_token_at_batch_8(tmp_path, capsys):
     assert result["shapes"]["batch"] == 8 and result["rows"][0]["tokens_per_s"]["diff"] > 0
     assert main([*args, "--batch", "8", "--hf"]) != 0  # transformers generate() is timed at batch 1 only
     assert "at batch 1 only" in capsys.readouterr().err
+
+
+def test_bench_threads_times_each_piece_of_work_at_both_counts(tmp_path, capsys, monkeypatch):
+    from difftransformer.apps import bench_threads
+
+    seen = []
+    real = bench_threads._at
+    monkeypatch.setattr(bench_threads, "_at", lambda n, fn: (seen.append(n), real(n, fn)))
+    monkeypatch.setattr(
+        bench_threads, "_core_inputs", lambda *a: bench._core_inputs(1, 8, 64, 64, "cpu", torch.float32)
+    )
+    out, before = tmp_path / "threads.json", torch.get_num_threads()
+    args = ["bench", "threads", "--preset", "tiny", "--seq", "32", "--batch", "2", "--repeats", "1"]
+    assert main([*args, "--json", str(out)]) == 0
+    table = capsys.readouterr().out
+    assert "DIFF 2t/1t" in table and "| training step | 2 | 32 |" in table
+    result = json.loads(out.read_text())
+    assert result["shapes"]["threads"] == [1, 2] and len(result["rows"]) == 2
+    assert all(set(r["seconds"]["diff"]) == {"1", "2"} for r in result["rows"])
+    assert set(seen) == {1, 2} and seen.count(1) == seen.count(2)
+    assert torch.get_num_threads() == before  # restored
+
+
+def test_bench_context_measures_each_t_in_its_own_process_and_resumes(tmp_path, capsys, monkeypatch):
+    from difftransformer.apps import bench_context
+
+    store = tmp_path / "context.json"
+    args = ["bench", "context", "--preset", "tiny", "--seq", "64", "--repeats", "1", "--kinds", "prefill"]
+    assert main([*args, "--json", str(store)]) == 0
+    assert "| 64 |" in capsys.readouterr().out and store.with_suffix(".png").is_file()
+    rows = json.loads(store.read_text())["rows"]
+    assert {r["model"] for r in rows} == {"diff", "standard", "hf-diffllama"}
+    assert all(r["fits"] and r["peak_rss"] >= r["rss_before"] > 0 for r in rows)
+
+    def no_child(job, budget):
+        raise AssertionError(f"measured again: {job}")
+
+    monkeypatch.setattr(bench_context, "_measure", no_child)  # a rerun resumes: nothing measured twice
+    assert main([*args, "--json", str(store)]) == 0
+    assert json.loads(store.read_text())["rows"] == rows
+    assert main(["bench", "context", "--preset", "small", "--seq", "64", "--json", str(store)]) != 0
+    assert "holds another study" in capsys.readouterr().err
+    assert main(["bench", "context", "--preset", "tiny"]) != 0  # the store is needed
+    assert "--json" in capsys.readouterr().err
+
+
+def test_bench_context_predicts_and_skips_what_cannot_fit_or_finish():
+    from difftransformer.apps.bench_context import _skip_reason
+
+    def measured(t, seconds, peak):
+        return {"seq": t, "fits": True, "seconds": [seconds], "repeats": 1, "peak_rss": peak}
+
+    quadratic = [measured(1024, 1.0, 1 << 30), measured(2048, 4.0, 4 << 30)]
+    assert _skip_reason(quadratic, 4096, budget=32 << 30, max_seconds=100) is None  # 16 GiB, 16 s predicted
+    assert "predicted peak 16.0 GiB" in _skip_reason(quadratic, 4096, budget=8 << 30, max_seconds=100)["skipped"]
+    slow = _skip_reason(quadratic, 4096, budget=32 << 30, max_seconds=10)
+    assert slow["fits"] is None and "predicted 16 s" in slow["skipped"]
+    linear = [measured(1024, 1.0, 1 << 30), measured(2048, 1.5, 1 << 30)]  # growth below linear counts as linear
+    assert "predicted peak 2.0 GiB" in _skip_reason(linear, 4096, budget=1 << 30, max_seconds=100)["skipped"]
+    failed = [measured(1024, 1.0, 1 << 30), {"seq": 2048, "fits": False, "error": "out of memory"}]
+    assert _skip_reason(failed, 4096, budget=1 << 40, max_seconds=1e9) == {
+        "fits": False,
+        "skipped": "a shorter T (2048) did not fit",
+    }
+    assert _skip_reason([], 1024, budget=1, max_seconds=1) is None  # the first T always runs
+
+
+def test_a_t_beyond_the_memory_budget_is_a_result_not_a_crash():
+    """The child's data segment is capped at the budget: the allocation that would exceed it fails inside torch and
+    the child reports that T as not fitting (a KV cache of 64 x 4096 slots x 6 layers, 1.5 GiB, in a 1 GiB budget)."""
+    from difftransformer.apps.bench_context import _measure
+
+    job = dict(kind="prefill", model="standard", preset="tiny", seq=4096, batch=64, repeats=1, threads=1)
+    entry = _measure(job, budget=1 << 30)
+    assert entry == {"fits": False, "error": "out of memory within the 1.0 GiB budget"}

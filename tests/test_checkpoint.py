@@ -65,6 +65,17 @@ def test_a_changed_byte_is_refused_with_the_way_out(tmp_path, damaged):
         load_checkpoint(path)
 
 
+def test_a_damaged_checksum_field_name_is_refused_not_read_as_an_old_checkpoint(tmp_path):
+    """One flipped bit turns "sha256" into "sh`256": the state then looks like one written before checksums, and
+    was loaded unchecked (found by the property test). A state with a files entry always had its digest."""
+    model_state, optim_state = _states()
+    path = save_checkpoint(tmp_path, 1, model_state, optim_state, {"note": "abc"})
+    state = path / "state.json"
+    state.write_bytes(state.read_bytes().replace(b'"sha256"', b'"sh`256"'))
+    with pytest.raises(InputError, match=r"state.json has lost its checksum field: the file is damaged.*mv "):
+        load_checkpoint(path)
+
+
 def test_a_missing_file_is_named(tmp_path):
     model_state, optim_state = _states()
     path = save_checkpoint(tmp_path, 1, model_state, optim_state, {})

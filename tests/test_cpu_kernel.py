@@ -48,11 +48,13 @@ CASES = {  # b, h, hkv, tq, tk, d, causal, masked
     "tq > tk: rows that see nothing": (1, 2, 1, 40, 25, 8, True, False),
     "padding and holes": (2, 4, 2, 40, 40, 8, True, True),
     "mask without causality": (2, 2, 1, 30, 30, 8, False, True),
+    "one group of 4 heads (split over blocks)": (1, 4, 1, 70, 70, 8, True, False),
+    "three groups, masked (split in two)": (3, 2, 1, 50, 50, 8, True, True),
 }
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_equals_the_float64_materialised_method(kernel, case):
+def test_equals_the_float64_materialised_method(kernel, threads, case):
     b, h, hkv, tq, tk, d, causal, masked = CASES[case]
     args = inputs(b, h, hkv, tq, tk, d, torch.float64)
     mask = padding_and_random_mask(b, tq, tk) if masked else None
@@ -87,6 +89,40 @@ def test_float32_equals_the_pytorch_block_method_and_the_float64_result(kernel, 
         scale = g_exact.abs().max().item()
         assert (g - g_ref).abs().max() <= 1e-5 * scale
         assert (g.double() - g_exact).abs().max() <= 1e-5 * scale
+
+
+def test_the_kernel_runs_its_tasks_on_every_thread(kernel):
+    """Compiled without OpenMP, at::parallel_for runs every task on one thread, silently: the build must use them."""
+    before = torch.get_num_threads()
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            assert cpu_kernel.parallel_threads() == n
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("case", ["one group of 4 heads (split over blocks)", "three groups, masked (split in two)"])
+def test_split_tasks_give_the_same_bits_every_run_and_match_one_thread(kernel, case):
+    """With more threads than groups the backward sums partial dK, dV and lambda gradients: in a fixed order, so two
+    runs give identical bits, and within float32 rounding of the one-thread result."""
+    b, h, hkv, tq, tk, d, causal, masked = CASES[case]
+    args = inputs(b, h, hkv, tq, tk, d, torch.float32, seed=3)
+    mask = padding_and_random_mask(b, tq, tk) if masked else None
+    grad = torch.randn(b, h, tq, 2 * d)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        runs = [outputs_and_grads(lambda *a: fused(*a, causal, mask), args, grad) for _ in range(3)]
+        torch.set_num_threads(1)
+        one_out, one_grads = outputs_and_grads(lambda *a: fused(*a, causal, mask), args, grad)
+    finally:
+        torch.set_num_threads(before)
+    for out, grads in runs[1:]:
+        assert torch.equal(out, runs[0][0]) and all(map(torch.equal, grads, runs[0][1]))
+    torch.testing.assert_close(runs[0][0], one_out, rtol=0, atol=0)  # each row is computed by one task either way
+    for g, g_one in zip(runs[0][1], one_grads, strict=True):
+        assert (g - g_one).abs().max() <= 1e-5 * g_one.abs().max()
 
 
 @pytest.mark.parametrize("switch", ["1", "0"])

@@ -39,7 +39,7 @@ def case_inputs(b, h, hkv, tq, tk, d, masked, dtype, seed=0):
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("case", CASES)
-def test_the_decode_kernel_equals_the_float64_materialised_method(kernel, case, dtype):
+def test_the_decode_kernel_equals_the_float64_materialised_method(kernel, threads, case, dtype):
     b, h, hkv, tq, tk, d, causal, masked = CASES[case]
     q, k, v, mask = case_inputs(b, h, hkv, tq, tk, d, masked, dtype)
     lam = torch.tensor(0.43, dtype=dtype)

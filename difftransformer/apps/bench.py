@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from difftransformer.apps.bench_machine import MATMUL_SIZE, matmul_rate, step_flops
 from difftransformer.core.attention import MultiheadAttention, MultiheadDiffAttn
 from difftransformer.core.attention.diff import method_of
 from difftransformer.core.attention.kernels import standard_attention
@@ -315,10 +316,12 @@ def bench_train(
     DIFF with the Triton kernel (``diff-triton``)."""
     seqs = seqs or [256, 1024, 2048]
     n_models = 2 + ("triton" in diff_impls(device)) + (importlib.util.find_spec("transformers") is not None)
+    rates = [matmul_rate(device=device)]  # the machine's limit, before and after the steps (the larger is used)
     with _Calls.tracking("train", len(seqs) * n_models * (1 + repeats)):
         rows = [_train_row(preset, t, batch, repeats, device, dtype) for t in seqs]
+    rates.append(matmul_rate(device=device))
     cfg = ModelConfig.preset(preset)
-    return _result(
+    result = _result(
         "train",
         dict(
             preset=preset,
@@ -333,6 +336,8 @@ def bench_train(
         device,
         dtype,
     )
+    result["matmul"] = {"size": MATMUL_SIZE, "dtype": "float32", "flops_per_s": rates}
+    return result
 
 
 def _train_row(preset: str, t: int, batch: int, repeats: int, device: str, dtype: torch.dtype) -> dict:
@@ -361,7 +366,9 @@ def _train_row(preset: str, t: int, batch: int, repeats: int, device: str, dtype
     memory = {n: saved_activation_bytes(partial(_lm_loss, m, x)) for n, m in models.items()}
     for m in models.values():
         m.zero_grad(set_to_none=True)
-    return {"seq": t, "seconds": seconds, "activation_bytes": memory}
+    # the models see t - 1 tokens per row (_lm_loss); HF DiffLlama and diff-triton do DIFF's count
+    flops = {n: step_flops(models["standard" if n == "standard" else "diff"].config, batch, t - 1) for n in models}
+    return {"seq": t, "seconds": seconds, "activation_bytes": memory, "step_flops": flops}
 
 
 def format_train(result: dict) -> str:
@@ -387,6 +394,7 @@ def format_train(result: dict) -> str:
             f"{sec['diff'] / sec['standard']:.2f} | {hf_ratio} | {mem['standard'] / 2**20:.1f} | "
             f"{mem['diff'] / 2**20:.1f} | {hf_mib} | {hf_mem} | {mem['diff'] / mem['standard']:.2f} |"
         )
+    lines += _utilisation_lines(result)
     triton_rows = [row for row in result["rows"] if "diff-triton" in row["seconds"]]
     if triton_rows:
         lines += [
@@ -404,6 +412,32 @@ def format_train(result: dict) -> str:
                 f"{mem['diff-triton'] / mem['standard']:.2f} |"
             )
     return "\n".join(lines)
+
+
+def _utilisation_lines(result: dict) -> list[str]:
+    """bench train's table of achieved FLOP/s against the machine's matrix-product rate (bench_machine.py)."""
+    if "matmul" not in result or not all("step_flops" in row for row in result["rows"]):
+        return []  # a result written before the count existed
+    mm = result["matmul"]
+    rate = max(mm["flops_per_s"])
+    names = [n for n in ("standard", "diff", "hf-diffllama") if n in result["rows"][0]["seconds"]]
+    lines = [
+        "",
+        f"Achieved FLOP/s of a step against this machine's float32 matrix-product rate: torch.mm of {mm['size']} x "
+        f"{mm['size']} at the same threads, {', '.join(f'{r / 1e9:.1f}' for r in mm['flops_per_s'])} GFLOP/s "
+        f"before and after the steps (the larger used). FLOPs counted as bench_machine.step_flops: 6 x "
+        "(non-embedding parameters + output projection) x tokens + the causal attention products x 3.",
+        "",
+        "| T | GFLOP per step | " + " | ".join(f"{n} GFLOP/s | {n} / matmul" for n in names) + " |",
+        "|---|---|" + "---|---|" * len(names),
+    ]
+    for row in result["rows"]:
+        cells = []
+        for n in names:
+            achieved = row["step_flops"][n] / row["seconds"][n]
+            cells.append(f"{achieved / 1e9:.1f} | {achieved / rate:.2f}")
+        lines.append(f"| {row['seq']} | {row['step_flops']['diff'] / 1e9:.1f} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def _decode_seconds(model, context: int, tokens: int, batch: int = 1) -> list[float]:

@@ -281,6 +281,8 @@ def read_state(path: Path) -> dict:
     if not isinstance(meta, dict) or any(key not in meta for key in STATE_KEYS):
         raise InputError(f"{state} is not a checkpoint's state (it lacks {', '.join(STATE_KEYS)}); {_earlier(path)}")
     digest = meta.pop("sha256", None)
+    if digest is None and "files" in meta:  # written with a digest (as every state with a files entry is) that is gone
+        raise InputError(f"{state} has lost its checksum field: the file is damaged; {_earlier(path)}")
     if digest is not None and digest != _json_digest(meta):
         raise InputError(f"{state} does not match its checksum: the file is damaged; {_earlier(path)}")
     if not isinstance(meta.get("files", {}), dict):

@@ -52,7 +52,11 @@ def build_directory() -> Path:
 
 
 def _flags() -> list[str]:
-    return FLAGS + (["-march=native"] if platform.machine() in ("x86_64", "AMD64") else [])
+    native = ["-march=native"] if platform.machine() in ("x86_64", "AMD64") else []
+    # at::parallel_for is a header template: compiled without -fopenmp it runs every task on one thread. The OpenMP
+    # runtime it then calls is the one torch has loaded (not linked again here).
+    openmp = ["-fopenmp"] if torch._C.has_openmp and sys.platform.startswith("linux") else []
+    return FLAGS + native + openmp
 
 
 def _cpu_flags() -> str:
@@ -123,6 +127,12 @@ def _put_ninja_on_path() -> None:
         pass
     path = os.environ.get("PATH", "").split(os.pathsep)
     os.environ["PATH"] = os.pathsep.join(path + [d for d in dirs if d not in path])
+
+
+def parallel_threads() -> int:
+    """How many threads the kernel's parallel loops run on now (torch.get_num_threads() when it was built with
+    OpenMP, 1 when not); 0 when the kernel is not available."""
+    return int(torch.ops.difftx.parallel_threads()) if available() else 0
 
 
 def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:

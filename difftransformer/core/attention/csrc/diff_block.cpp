@@ -3,8 +3,12 @@
 // product into a buffer that stays in cache, the kernel's own vectorised loops take each row's max, exp and sum and
 // form P1 - lambda P2, and (P1 - lambda P2) V is one matrix product; the backward recomputes the rows and fuses the
 // softmax backward of both maps, their row dots and the lambda gradient into one loop. The matrix products are
-// ATen's (mm, addmm, baddbmm on views, no copies). Built from source at first use by cpu_kernel.py; without a
+// ATen's (mm, addmm, baddbmm on views, no copies). Built from source at first use by cpu_kernel.py (with OpenMP, so
+// that at::parallel_for runs on torch's threads: without -fopenmp it silently runs every task on one); without a
 // compiler the same method runs in PyTorch operations.
+//
+// Threads: the tasks are (batch, key/value group), each split further when there are too few to keep every thread
+// busy (splits_of); decoding takes one task per query row. Inside a task the matrix products run on one thread.
 //
 // Shapes (kernels.py): q (B, H, 2, Tq, d), k (B, Hkv, 2, Tk, d), v (B, Hkv, Tk, 2d), each with a unit stride in
 // its last dimension; query head h reads group h / (H / Hkv). mask: empty, or boolean (B|1, Tq, Tk) contiguous,
@@ -13,7 +17,7 @@
 // the per-head norm and out_proj read it (no transposed copy); the backward takes its gradient in that layout.
 //
 // diff_decode: the same A for few query rows against a long cache without gradient (decoding), in one pass over the
-// cache per key/value group (decode_impl below).
+// cache per query row (decode_impl below).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -170,45 +174,64 @@ inline const bool* mask_rows_of(const at::Tensor& mask, const Shapes& s, int64_t
 
 int64_t keys_of_block(const Shapes& s, int64_t i0, int64_t nb) { return s.causal ? reach(s, i0 + nb - 1) : s.tk; }
 
+// A task on one of OpenMP's worker threads does not inherit the caller's thread-local dispatch state: grad mode is on
+// there even when the caller's was off, and ATen's out= products refuse inputs that require grad. Each task's body
+// therefore dispatches below autograd (the kernel is the op's implementation; autograd is the caller's business).
+//
+// How many tasks each (batch, key/value group) is split into so that every thread has work: 1 when the groups
+// alone keep the threads evenly busy (one thread, a multiple of the threads, or at least four groups per thread),
+// else enough splits for about two tasks per thread, at most one per (head, query block) unit. Task c of a group
+// takes the units u = r * blocks + block with u % splits == c: round robin, so that under causality every task gets
+// early (short) and late (long) blocks alike.
+int64_t splits_of(const Shapes& s, int64_t block) {
+  const int64_t threads = at::get_num_threads(), groups = s.b * s.hkv;
+  if (threads <= 1 || groups % threads == 0 || groups >= 4 * threads) return 1;
+  const int64_t units = s.rep * ((s.tq + block - 1) / block);
+  return std::max<int64_t>(1, std::min(units, (2 * threads + groups - 1) / groups));
+}
+
 template <typename T>
 at::Tensor forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double lambda, double scale,
                         bool causal, const at::Tensor& mask, int64_t block) {
   const Shapes s = shapes_of(q, k, v, causal);
   at::Tensor out = at::empty({s.b, s.tq, s.h, s.dv}, q.options());  // A, token-major as out_proj reads it
   const T lam = static_cast<T>(lambda);
-  at::parallel_for(0, s.b * s.hkv, 1, [&](int64_t begin, int64_t end) {
+  const int64_t splits = splits_of(s, block), blocks = (s.tq + block - 1) / block;
+  at::parallel_for(0, s.b * s.hkv * splits, 1, [&](int64_t begin, int64_t end) {
+    const at::AutoDispatchBelowADInplaceOrView below_autograd;  // see splits_of
     at::Tensor maps = at::empty({2 * block * s.tk}, q.options());
     std::vector<T> inv(2 * block);
-    for (int64_t bg = begin; bg < end; ++bg) {
-      const int64_t b = bg / s.hkv, g = bg % s.hkv;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t bg = task / splits, b = bg / s.hkv, g = bg % s.hkv;
       const at::Tensor vg = v.select(0, b).select(0, g), kg = halves(k, b, g);
-      for (int64_t r = 0; r < s.rep; ++r) {
-        const int64_t h = g * s.rep + r;
-        const at::Tensor qh = halves(q, b, h);
-        const at::Tensor oh = out.select(0, b).select(1, h);
-        for (int64_t i0 = 0; i0 < s.tq; i0 += block) {
-          const int64_t nb = std::min(block, s.tq - i0), kend = keys_of_block(s, i0, nb);
-          at::Tensor o = oh.narrow(0, i0, nb);
-          if (kend == 0) {
-            o.zero_();
-            continue;
-          }
-          at::Tensor e = maps.narrow(0, 0, 2 * nb * kend).view({2, nb, kend});
-          block_exps<T>(s, qh, kg, mask_rows_of(mask, s, b), scale, i0, nb, kend, e, inv.data());
-          T* e1 = e.data_ptr<T>();
-          const T* e2 = e1 + nb * kend;
-          for (int64_t i = 0; i < nb; ++i) {  // P1 - lambda P2, in place of e1
-            const T w1 = inv[i], w2 = lam * inv[nb + i];
-            for (int64_t j = i * kend; j < (i + 1) * kend; ++j) e1[j] = e1[j] * w1 - e2[j] * w2;
-          }
-          at::mm_out(o, e.select(0, 0), vg.narrow(0, 0, kend));
+      for (int64_t u = task % splits; u < s.rep * blocks; u += splits) {
+        const int64_t h = g * s.rep + u / blocks, i0 = (u % blocks) * block;
+        const int64_t nb = std::min(block, s.tq - i0), kend = keys_of_block(s, i0, nb);
+        at::Tensor o = out.select(0, b).select(1, h).narrow(0, i0, nb);
+        if (kend == 0) {
+          o.zero_();
+          continue;
         }
+        at::Tensor e = maps.narrow(0, 0, 2 * nb * kend).view({2, nb, kend});
+        block_exps<T>(s, halves(q, b, h), kg, mask_rows_of(mask, s, b), scale, i0, nb, kend, e, inv.data());
+        T* e1 = e.data_ptr<T>();
+        const T* e2 = e1 + nb * kend;
+        for (int64_t i = 0; i < nb; ++i) {  // P1 - lambda P2, in place of e1
+          const T w1 = inv[i], w2 = lam * inv[nb + i];
+          for (int64_t j = i * kend; j < (i + 1) * kend; ++j) e1[j] = e1[j] * w1 - e2[j] * w2;
+        }
+        at::mm_out(o, e.select(0, 0), vg.narrow(0, 0, kend));
       }
     }
   });
   return out;
 }
 
+// The backward's tasks as the forward's (splits_of). dQ of a (head, query block) unit is written by its one task;
+// dK and dV of a group sum over its units: with more than one split, task c > 0 of a group accumulates into its own
+// zeroed partial (dk_part, dv_part), added to dK and dV in split order after the loop, and each task's share of
+// the lambda gradient is kept apart and summed in task order, so that the result does not depend on which thread
+// finished first.
 template <typename T>
 std::vector<at::Tensor> backward_impl(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
                                       const at::Tensor& v, double lambda, double scale, bool causal,
@@ -219,68 +242,76 @@ std::vector<at::Tensor> backward_impl(const at::Tensor& grad_out, const at::Tens
   at::Tensor dv = at::zeros({s.b, s.hkv, s.tk, s.dv}, q.options());
   const at::Tensor dout = grad_out.contiguous();
   const T lam = static_cast<T>(lambda);
-  double dlam = 0;
-  std::mutex dlam_lock;
-  at::parallel_for(0, s.b * s.hkv, 1, [&](int64_t begin, int64_t end) {
+  const int64_t splits = splits_of(s, block), blocks = (s.tq + block - 1) / block, tasks = s.b * s.hkv * splits;
+  at::Tensor dk_part, dv_part;
+  if (splits > 1) {
+    dk_part = at::zeros({splits - 1, s.b, s.hkv, 2, s.tk, s.d}, q.options());
+    dv_part = at::zeros({splits - 1, s.b, s.hkv, s.tk, s.dv}, q.options());
+  }
+  std::vector<double> dlams(tasks, 0.0);
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    const at::AutoDispatchBelowADInplaceOrView below_autograd;  // see splits_of
     at::Tensor maps = at::empty({2 * block * s.tk}, q.options()), dp = at::empty({block * s.tk}, q.options());
     std::vector<T> inv(2 * block);
-    double dlam_local = 0;
-    for (int64_t bg = begin; bg < end; ++bg) {
-      const int64_t b = bg / s.hkv, g = bg % s.hkv;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t bg = task / splits, b = bg / s.hkv, g = bg % s.hkv, split = task % splits;
       const at::Tensor vg = v.select(0, b).select(0, g), kg = halves(k, b, g);
-      at::Tensor dvg = dv.select(0, b).select(0, g), dkg = halves(dk, b, g);
-      for (int64_t r = 0; r < s.rep; ++r) {
-        const int64_t h = g * s.rep + r;
+      at::Tensor dvg = (split == 0 ? dv : dv_part[split - 1]).select(0, b).select(0, g);
+      at::Tensor dkg = halves(split == 0 ? dk : dk_part[split - 1], b, g);
+      double dlam_local = 0;
+      for (int64_t u = split; u < s.rep * blocks; u += splits) {
+        const int64_t h = g * s.rep + u / blocks, i0 = (u % blocks) * block;
+        const int64_t nb = std::min(block, s.tq - i0), kend = keys_of_block(s, i0, nb);
+        if (kend == 0) continue;
         const at::Tensor qh = halves(q, b, h);
-        at::Tensor dqh = halves(dq, b, h);
-        const at::Tensor douth = dout.select(0, b).select(1, h);
-        for (int64_t i0 = 0; i0 < s.tq; i0 += block) {
-          const int64_t nb = std::min(block, s.tq - i0), kend = keys_of_block(s, i0, nb);
-          if (kend == 0) continue;
-          at::Tensor e = maps.narrow(0, 0, 2 * nb * kend).view({2, nb, kend});
-          at::Tensor g12 = dp.narrow(0, 0, nb * kend).view({nb, kend});
-          block_exps<T>(s, qh, kg, mask_rows_of(mask, s, b), scale, i0, nb, kend, e, inv.data());
-          const at::Tensor dob = douth.narrow(0, i0, nb);
-          const at::Tensor vb = vg.narrow(0, 0, kend);
-          // dV += (P1 - lambda P2)^T dO, the combined map built in the dP buffer before dP overwrites it.
-          T* a = e.data_ptr<T>();
-          T* c = a + nb * kend;
-          T* gp = g12.data_ptr<T>();
-          for (int64_t i = 0; i < nb; ++i) {  // normalise both maps in place
-            const T w1 = inv[i], w2 = inv[nb + i];
-            for (int64_t j = i * kend; j < (i + 1) * kend; ++j) {
-              a[j] *= w1;
-              c[j] *= w2;
-              gp[j] = a[j] - lam * c[j];
-            }
+        at::Tensor e = maps.narrow(0, 0, 2 * nb * kend).view({2, nb, kend});
+        at::Tensor g12 = dp.narrow(0, 0, nb * kend).view({nb, kend});
+        block_exps<T>(s, qh, kg, mask_rows_of(mask, s, b), scale, i0, nb, kend, e, inv.data());
+        const at::Tensor dob = dout.select(0, b).select(1, h).narrow(0, i0, nb);
+        const at::Tensor vb = vg.narrow(0, 0, kend);
+        // dV += (P1 - lambda P2)^T dO, the combined map built in the dP buffer before dP overwrites it.
+        T* a = e.data_ptr<T>();
+        T* c = a + nb * kend;
+        T* gp = g12.data_ptr<T>();
+        for (int64_t i = 0; i < nb; ++i) {  // normalise both maps in place
+          const T w1 = inv[i], w2 = inv[nb + i];
+          for (int64_t j = i * kend; j < (i + 1) * kend; ++j) {
+            a[j] *= w1;
+            c[j] *= w2;
+            gp[j] = a[j] - lam * c[j];
           }
-          dvg.narrow(0, 0, kend).addmm_(g12.t(), dob);
-          at::mm_out(g12, dob, vb.t());  // dP = dO V^T: map 1 receives dP, map 2 -lambda dP
-          for (int64_t i = 0; i < nb; ++i) {
-            T* a_i = a + i * kend;
-            T* c_i = c + i * kend;
-            const T* g_i = gp + i * kend;
-            T dot1 = 0, dot2 = 0;
-            for (int64_t j = 0; j < kend; ++j) {
-              dot1 += a_i[j] * g_i[j];
-              dot2 += c_i[j] * g_i[j];
-            }
-            dlam_local -= dot2;
-            for (int64_t j = 0; j < kend; ++j) {
-              a_i[j] = a_i[j] * (g_i[j] - dot1);
-              c_i[j] = -lam * c_i[j] * (g_i[j] - dot2);
-            }
-          }
-          // dS_c is now in e[c]: dQ = scale dS K and dK += scale dS^T Q, both maps in one batched product each
-          at::Tensor dqb = dqh.narrow(1, i0, nb);
-          at::baddbmm_out(dqb, dqb, e, kg.narrow(1, 0, kend), 0, scale);
-          dkg.narrow(1, 0, kend).baddbmm_(e.transpose(1, 2), qh.narrow(1, i0, nb), 1, scale);
         }
+        dvg.narrow(0, 0, kend).addmm_(g12.t(), dob);
+        at::mm_out(g12, dob, vb.t());  // dP = dO V^T: map 1 receives dP, map 2 -lambda dP
+        for (int64_t i = 0; i < nb; ++i) {
+          T* a_i = a + i * kend;
+          T* c_i = c + i * kend;
+          const T* g_i = gp + i * kend;
+          T dot1 = 0, dot2 = 0;
+          for (int64_t j = 0; j < kend; ++j) {
+            dot1 += a_i[j] * g_i[j];
+            dot2 += c_i[j] * g_i[j];
+          }
+          dlam_local -= dot2;
+          for (int64_t j = 0; j < kend; ++j) {
+            a_i[j] = a_i[j] * (g_i[j] - dot1);
+            c_i[j] = -lam * c_i[j] * (g_i[j] - dot2);
+          }
+        }
+        // dS_c is now in e[c]: dQ = scale dS K and dK += scale dS^T Q, both maps in one batched product each
+        at::Tensor dqb = halves(dq, b, h).narrow(1, i0, nb);
+        at::baddbmm_out(dqb, dqb, e, kg.narrow(1, 0, kend), 0, scale);
+        dkg.narrow(1, 0, kend).baddbmm_(e.transpose(1, 2), qh.narrow(1, i0, nb), 1, scale);
       }
+      dlams[task] = dlam_local;
     }
-    std::lock_guard<std::mutex> hold(dlam_lock);
-    dlam += dlam_local;
   });
+  for (int64_t c = 0; c + 1 < splits; ++c) {
+    dk.add_(dk_part[c]);
+    dv.add_(dv_part[c]);
+  }
+  double dlam = 0;
+  for (const double x : dlams) dlam += x;
   return {dq, dk, dv, at::scalar_tensor(dlam, q.options())};
 }
 
@@ -335,10 +366,10 @@ void accumulate(const T* __restrict p, const T* __restrict v, int64_t vs, int64_
   }
 }
 
-// Decoding: few query rows against a long cache, no gradient. Each (batch, key/value group) is one task; within it
-// every query row (head g * rep + r, query i) is handled alone: the scores of both maps, their softmax rows and
-// (p1 - lambda p2) v in one pass over the cache by the kernel's own loops (no matrix-product calls, whose fixed
-// cost dominates at one row), each cached value read once for both maps. With GQA the rep heads of a group each
+// Decoding: few query rows against a long cache, no gradient. Each query row (batch b, head g * rep + r, query i)
+// is one task, handled alone: the scores of both maps, their softmax rows and (p1 - lambda p2) v in one pass over
+// the cache by the kernel's own loops (no matrix-product calls, whose fixed cost dominates at one row), each cached
+// value read once for both maps. With GQA the rep heads of a group each
 // read the group's keys and values again. A row reads the keys up to its last visible one only: the slots a cache
 // has not filled yet, masked, are skipped. q, k and v are read through their strides (a unit stride in the last
 // dimension is required); the output is token-major (B, Tq, H, 2d).
@@ -360,44 +391,45 @@ at::Tensor decode_impl(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   const int64_t ks0 = k.stride(0), ks1 = k.stride(1), ks2 = k.stride(2), ks3 = k.stride(3);
   const int64_t vs0 = v.stride(0), vs1 = v.stride(1), vs2 = v.stride(2);
   const int64_t rows = s.rep * s.tq, d = s.d, dv = s.dv, tk = s.tk;
-  at::parallel_for(0, s.b * s.hkv, 1, [&](int64_t begin, int64_t end) {
+  // One task per query row; a thread takes at least ~64K multiply-adds' worth of rows (a short cache runs on one).
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / std::max<int64_t>(1, tk * (2 * d + dv)));
+  at::parallel_for(0, s.b * s.hkv * rows, grain, [&](int64_t begin, int64_t end) {
+    const at::AutoDispatchBelowADInplaceOrView below_autograd;  // see splits_of
     std::vector<T> e(2 * tk), acc(dv);
-    for (int64_t bg = begin; bg < end; ++bg) {
-      const int64_t b = bg / s.hkv, g = bg % s.hkv;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t bg = task / rows, row = task % rows, b = bg / s.hkv, g = bg % s.hkv;
+      const int64_t r = row / s.tq, i = row % s.tq, h = g * s.rep + r;
       const bool* mrows = mask_rows_of(mask, s, b);
+      const bool* allowed = mrows ? mrows + i * tk : nullptr;
       const T* vg = vp + b * vs0 + g * vs1;
-      for (int64_t row = 0; row < rows; ++row) {
-        const int64_t r = row / s.tq, i = row % s.tq, h = g * s.rep + r;
-        const bool* allowed = mrows ? mrows + i * tk : nullptr;
-        int64_t n = reach(s, i);
-        if (allowed) {
-          while (n > 0 && !allowed[n - 1]) --n;  // up to the last visible key
-        }
-        T w[2];
-        for (int64_t c = 0; c < 2; ++c) {
-          T* er = e.data() + c * tk;
-          scores_of<T>(qp + b * qs0 + h * qs1 + c * qs2 + i * qs3, kp + b * ks0 + g * ks1 + c * ks2, ks3, n, d, sc,
-                       er);
-          w[c] = allowed ? exp_row<T, true>(er, n, n, allowed) : exp_row<T, false>(er, n, n, nullptr);
-        }
-        T* p = e.data();
-        const T* p2 = e.data() + tk;
-        const T w1 = w[0], w2 = lam * w[1];
-        for (int64_t j = 0; j < n; ++j) p[j] = p[j] * w1 - p2[j] * w2;  // p1 - lambda p2
-        std::fill(acc.begin(), acc.end(), T(0));
-        accumulate<T>(p, vg, vs2, n, dv, acc.data());
-        T* o = op + ((b * s.tq + i) * s.h + h) * dv;
-        if (norm_weight != nullptr) {
-          T ms = 0;
-          for (int64_t x = 0; x < dv; ++x) ms += acc[x] * acc[x];
-          const T rstd = T(1) / std::sqrt(ms / static_cast<T>(dv) + static_cast<T>(eps)), f = static_cast<T>(factor);
-          for (int64_t x = 0; x < dv; ++x) o[x] = acc[x] * rstd * (norm_weight[x] * f);
-        } else if (factor != 1) {
-          const T f = static_cast<T>(factor);
-          for (int64_t x = 0; x < dv; ++x) o[x] = acc[x] * f;
-        } else {
-          std::copy(acc.begin(), acc.end(), o);
-        }
+      int64_t n = reach(s, i);
+      if (allowed) {
+        while (n > 0 && !allowed[n - 1]) --n;  // up to the last visible key
+      }
+      T w[2];
+      for (int64_t c = 0; c < 2; ++c) {
+        T* er = e.data() + c * tk;
+        scores_of<T>(qp + b * qs0 + h * qs1 + c * qs2 + i * qs3, kp + b * ks0 + g * ks1 + c * ks2, ks3, n, d, sc,
+                     er);
+        w[c] = allowed ? exp_row<T, true>(er, n, n, allowed) : exp_row<T, false>(er, n, n, nullptr);
+      }
+      T* p = e.data();
+      const T* p2 = e.data() + tk;
+      const T w1 = w[0], w2 = lam * w[1];
+      for (int64_t j = 0; j < n; ++j) p[j] = p[j] * w1 - p2[j] * w2;  // p1 - lambda p2
+      std::fill(acc.begin(), acc.end(), T(0));
+      accumulate<T>(p, vg, vs2, n, dv, acc.data());
+      T* o = op + ((b * s.tq + i) * s.h + h) * dv;
+      if (norm_weight != nullptr) {
+        T ms = 0;
+        for (int64_t x = 0; x < dv; ++x) ms += acc[x] * acc[x];
+        const T rstd = T(1) / std::sqrt(ms / static_cast<T>(dv) + static_cast<T>(eps)), f = static_cast<T>(factor);
+        for (int64_t x = 0; x < dv; ++x) o[x] = acc[x] * rstd * (norm_weight[x] * f);
+      } else if (factor != 1) {
+        const T f = static_cast<T>(factor);
+        for (int64_t x = 0; x < dv; ++x) o[x] = acc[x] * f;
+      } else {
+        std::copy(acc.begin(), acc.end(), o);
       }
     }
   });
@@ -494,6 +526,15 @@ std::vector<at::Tensor> diff_block_backward(const at::Tensor& grad_out, const at
   return backward_impl<float>(grad_out, q, k, v, lambda, scale, causal, m, block);
 }
 
+// How many threads at::parallel_for runs this build's tasks on (the test that the kernel was built with OpenMP).
+int64_t parallel_threads() {
+  std::vector<char> seen(at::get_num_threads() + 1, 0);
+  at::parallel_for(0, 1024, 1, [&](int64_t, int64_t) { seen[at::get_thread_num()] = 1; });
+  int64_t n = 0;
+  for (const char x : seen) n += x;
+  return n;
+}
+
 }  // namespace
 
 // lambda is a one-element tensor (not a float) so that the caller never reads it on the host. The kernels are
@@ -508,6 +549,7 @@ TORCH_LIBRARY(difftx, m) {
   m.def("diff_decode_heads(Tensor q, Tensor k, Tensor v, Tensor lambda_q1, Tensor lambda_k1, Tensor lambda_q2, "
         "Tensor lambda_k2, float lambda_init, float scale, bool causal, Tensor? mask, Tensor? norm_weight, float eps, "
         "float factor) -> Tensor");
+  m.def("parallel_threads", &parallel_threads);  // no tensor arguments: one implementation for every backend
 }
 
 TORCH_LIBRARY_IMPL(difftx, CPU, m) {
