@@ -1,5 +1,6 @@
 """Smoke test of the benchmark command: it runs, reports its setting, and its JSON matches its table."""
 
+import importlib.util
 import json
 
 import pytest
@@ -143,7 +144,12 @@ def test_bench_context_measures_each_t_in_its_own_process_and_resumes(tmp_path, 
     store = tmp_path / "context.json"
     args = ["bench", "context", "--preset", "tiny", "--seq", "64", "--repeats", "1", "--kinds", "prefill"]
     assert main([*args, "--json", str(store)]) == 0
-    assert "| 64 |" in capsys.readouterr().out and store.with_suffix(".png").is_file()
+    out, err = capsys.readouterr()
+    assert "| 64 |" in out
+    if importlib.util.find_spec("matplotlib") is None:  # the floor environment: the results stand, no figure
+        assert "no figure drawn, matplotlib is not installed" in err and not store.with_suffix(".png").exists()
+    else:
+        assert store.with_suffix(".png").is_file()
     rows = json.loads(store.read_text())["rows"]
     assert {r["model"] for r in rows} == {"diff", "standard", "hf-diffllama"}
     assert all(r["fits"] and r["peak_rss"] >= r["rss_before"] > 0 for r in rows)

@@ -201,6 +201,7 @@ def test_builds_compile_a_copy_of_the_source_inside_the_keyed_directory(monkeypa
     compiled = []
     monkeypatch.setattr(cpu_kernel, "_state", {})
     monkeypatch.setattr(cpp_extension, "load", lambda **kwargs: compiled.append(kwargs["sources"]))
+    monkeypatch.setattr(cpu_kernel, "_register_fake", lambda: None)  # nothing was loaded to register, once per process
     monkeypatch.setenv("DIFFTX_CACHE", str(tmp_path))
     assert cpu_kernel._load()
     directory = cpu_kernel.build_directory()

@@ -153,13 +153,13 @@ def _child(job: dict, budget: int) -> dict:
     high-water mark. Out of memory is a result (the T does not fit); any other error ends the child with it."""
     resource.setrlimit(resource.RLIMIT_DATA, (budget, budget))
     torch.set_num_threads(job["threads"])
-    model = _build(job["model"], job["preset"], job["seq"])
-    run = _prefill if job["kind"] == "prefill" else _train(model)
-    run(model, min(256, job["seq"]), job["batch"])  # warm-up: the kernel loaded, the allocator primed
-    gc.collect()
-    before = _rss_now()
     seconds = []
-    try:
+    try:  # the model, its warm-up and the runs: any of them can meet the cap
+        model = _build(job["model"], job["preset"], job["seq"])
+        run = _prefill if job["kind"] == "prefill" else _train(model)
+        run(model, min(256, job["seq"]), job["batch"])  # warm-up: the kernel loaded, the allocator primed
+        gc.collect()
+        before = _rss_now()
         for _ in range(job["repeats"]):
             start = time.perf_counter()
             run(model, job["seq"], job["batch"])

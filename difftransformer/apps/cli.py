@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import json
 import os
 import sys
@@ -95,7 +96,12 @@ def _bench(args: argparse.Namespace) -> int:
             )  # fmt: skip
             print(bench_context.format_context(result))
             if any("seconds" in e for e in result["rows"]):
-                bench_context.figure(result, Path(args.json).with_suffix(".png"))
+                if importlib.util.find_spec("matplotlib") is None:  # hours of measurements are not lost to a figure
+                    print("bench context: no figure drawn, matplotlib is not installed (pip install "
+                          "'difftransformer[plot]'); the table above and the store hold every result",
+                          file=sys.stderr)  # fmt: skip
+                else:
+                    bench_context.figure(result, Path(args.json).with_suffix(".png"))
             return 0  # the store is the JSON, written after each measurement
         elif args.what == "quantized":
             if args.run is None:
