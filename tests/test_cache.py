@@ -42,6 +42,40 @@ def test_the_mask_lets_slot_i_see_slots_up_to_i_and_only_real_tokens():
     )
 
 
+@pytest.mark.parametrize("attention", ["diff", "diff_v2", "standard"])
+def test_a_first_pass_without_padding_runs_causal_over_its_slots_and_builds_no_mask(attention, monkeypatch):
+    """Its queries see slots 0..T-1 causally: the attention takes those slots with causality (half the products of
+    the masked square over all max_len slots, and no T x max_len mask); a later pass, or a padded one, takes the
+    mask. Both equal the model without a cache."""
+    from difftransformer.core.attention import common
+
+    model, tokens = tiny(attention), torch.randint(0, 64, (2, 7))
+    seen = []
+    real = common.attended
+
+    def recording(attn, k, v, mask, cache, tq):
+        out = real(attn, k, v, mask, cache, tq)
+        seen.append((out[0].shape[-2], out[2] is None, common.causal_of(attn, cache)))
+        return out
+
+    monkeypatch.setattr(common, "attended", recording)
+    for module in ("diff", "diff_v2", "standard"):
+        monkeypatch.setattr(f"difftransformer.core.attention.{module}.attended", recording)
+    cache = KVCache(model, 2, 16)
+    with torch.no_grad():
+        full = model(tokens)
+        seen.clear()
+        first = model(tokens[:, :5], cache=cache)
+        assert cache.prefix == 5 and cache.mask is None and seen == [(5, True, True)] * 2  # two layers
+        seen.clear()
+        later = model(tokens[:, 5:], cache=cache)
+        assert cache.prefix is None and cache.mask.shape == (1, 1, 2, 16) and seen == [(16, False, False)] * 2
+        torch.testing.assert_close(torch.cat([first, later], 1), full, rtol=1e-5, atol=1e-5)
+        padded = KVCache(model, 2, 16)
+        model(tokens[:, :5], cache=padded, mask=torch.ones(2, 16, dtype=torch.bool))
+        assert padded.prefix is None and padded.mask.shape == (2, 1, 5, 16)
+
+
 def test_bad_caches_and_masks_are_named():
     model = tiny()
     with pytest.raises(InputError, match="a cache holds 1 to the model's max_seq_len=32 slots, got 40"):
@@ -59,8 +93,11 @@ def test_explicit_slots_equal_the_automatic_ones(attention):
     tokens = torch.randint(0, 64, (1, 9))
     auto, explicit = KVCache(model, 1, 12), KVCache(model, 1, 12)
     with torch.no_grad():
-        model(tokens[:, :6], cache=auto)
-        model(tokens[:, :6], cache=explicit, slots=torch.arange(6))
+        first = model(tokens[:, :6], cache=auto)  # a first pass: causal over its own slots (cache.prefix)
+        assert auto.prefix == 6 and auto.mask is None
+        torch.testing.assert_close(model(tokens[:, :6], cache=explicit, slots=torch.arange(6)), first)  # the mask
+        assert explicit.prefix is None and explicit.mask.shape == (1, 1, 6, 12)
+        explicit.keys, explicit.values = [k.clone() for k in auto.keys], [v.clone() for v in auto.values]
         for i in range(6, 9):
             a = model(tokens[:, i : i + 1], cache=auto)
             b = model(tokens[:, i : i + 1], cache=explicit, slots=torch.tensor([i]))

@@ -117,7 +117,7 @@ class TransformerLM(nn.Module):
         if cache is not None:
             if auto_slots:
                 slots = torch.arange(cache.length, cache.length + t, device=tokens.device)
-            cache.prepare(slots, mask)  # one mask for every layer: the slots each query sees
+            cache.prepare(slots, mask, start=cache.length if auto_slots else None)  # one mask for every layer
             mask, positions = None, slots if positions is None else positions
         elif mask is not None:
             mask = expand_mask(mask, b, t, t)  # normalised once for every layer

@@ -39,11 +39,19 @@ class KVCache:
             self.values.append(torch.zeros(value_shape, dtype=like.dtype, device=like.device))
         self.slots: torch.Tensor | None = None
         self.mask: torch.Tensor | None = None
+        self.prefix: int | None = None
 
-    def prepare(self, slots: torch.Tensor, padding: torch.Tensor | None = None) -> None:
+    def prepare(self, slots: torch.Tensor, padding: torch.Tensor | None = None, start: int | None = None) -> None:
         """Set the slots (T,) that the next forward pass writes, and its attention mask (B|1, 1, T, max_len): slot j
         is visible to the query in slot i when j <= i and, with ``padding`` (a boolean (B, max_len) key mask, or a
-        (B, T, max_len) / (B, 1, T, max_len) mask), where it is True."""
+        (B, T, max_len) / (B, 1, T, max_len) mask), where it is True. ``start``: the first slot, where the caller
+        knows it on the host and the slots run on from it; a first pass (start 0) without padding sets ``prefix`` to
+        T and builds no mask (its T x max_len booleans would be 4 GiB at 64K tokens): the attention modules run it
+        causal over slots 0..T-1, the same attention at half the products."""
+        if padding is None and start == 0:
+            self.slots, self.mask, self.prefix = slots, None, len(slots)
+            return
+        self.prefix = None
         visible = torch.arange(self.max_len, device=slots.device)[None, :] <= slots[:, None]  # (T, max_len)
         mask = visible[None, None]
         if padding is not None:

@@ -15,14 +15,17 @@ from difftransformer.errors import InputError
 class KVStore(Protocol):
     """What the attention modules need of a key/value cache (``difftransformer.inference.cache.KVCache`` is one):
     the slots (T,) this pass writes, the mask (B|1, 1, T, L) over all L slots (causality included), and ``update``,
-    which writes a layer's new keys and values (sequence on dim -2) at the slots and returns all L."""
+    which writes a layer's new keys and values (sequence on dim -2) at the slots and returns all L. ``prefix``: T
+    when this pass is a first one without padding (slots 0..T-1, whose queries see the first T slots causally: the
+    attention runs causal over them and no mask is built), else None."""
 
     slots: torch.Tensor
-    mask: torch.Tensor
+    mask: torch.Tensor | None
+    prefix: int | None
     length: int  # slots filled by passes that let the model choose the slots
     max_len: int
 
-    def prepare(self, slots: torch.Tensor, padding: torch.Tensor | None = None) -> None: ...
+    def prepare(self, slots: torch.Tensor, padding: torch.Tensor | None = None, start: int | None = None) -> None: ...
 
     def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
 
@@ -170,9 +173,18 @@ def attended(
     attn: torch.nn.Module, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, cache, tq: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The keys, values and normalised mask that ``tq`` queries attend: with a cache every slot (the new keys and
-    values written at theirs) and the cache's mask, which includes causality; without, the new ones and ``mask``
-    expanded (expand_mask). The heads' axis is 1 and the keys' axis -2 of ``v``."""
+    values written at theirs) and the cache's mask, which includes causality, or for a first pass without padding
+    (``cache.prefix``) its own slots and no mask (``causal_of`` then says causal); without a cache, the new ones and
+    ``mask`` expanded (expand_mask). The heads' axis is 1 and the keys' axis -2 of ``v``."""
     if cache is not None:
         k, v = cache.update(attn.layer_idx, k, v)
+        if cache.prefix is not None:  # the same attention as the mask's over all slots, at a triangle's cost
+            return k.narrow(-2, 0, cache.prefix), v.narrow(-2, 0, cache.prefix), None
         return k, v, cache.mask
     return k, v, expand_mask(mask, v.shape[0], tq, v.shape[-2])
+
+
+def causal_of(attn: torch.nn.Module, cache) -> bool:
+    """Whether the attention applies causality itself: the module's setting without a cache; with one, only for a
+    first pass without padding (``attended`` hands it the pass's own slots), else the cache's mask carries it."""
+    return attn.causal if cache is None else cache.prefix is not None

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from difftransformer.core.attention import cpu_kernel
-from difftransformer.core.attention.common import AttentionBase, KVStore, attended, rotary_of
+from difftransformer.core.attention.common import AttentionBase, KVStore, attended, causal_of, rotary_of
 from difftransformer.core.attention.gqa_layout import warn_unknown_pairing
 from difftransformer.core.attention.kernels import DECODE_ROWS, attention_probs, diff_method, softmax_dtype
 from difftransformer.core.attention.logits import active_probe
@@ -192,7 +192,7 @@ class MultiheadDiffAttn(AttentionBase):
         """
         b, t, _ = x.shape
         q, k, v, mask = self._project(x, mask, positions, cache, rotary)
-        causal = self.causal and cache is None  # with a cache, its mask says what each slot sees
+        causal = causal_of(self, cache)  # with a cache, its mask says what each slot sees (but see attended)
         if not need_weights and self._decodes_fused(q, k, v):  # lambda, A and the per-head norm in one kernel call
             return self.out_proj(cpu_kernel.fused_decode_heads(self, q, k, v, causal, mask).reshape(b, t, -1))
         lam = self.lambda_full()

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from difftransformer.core.attention.common import AttentionBase, KVStore, attended, project_heads
+from difftransformer.core.attention.common import AttentionBase, KVStore, attended, causal_of, project_heads
 from difftransformer.core.attention.kernels import softmax_dtype, standard_attention
 from difftransformer.core.config import ModelConfig
 
@@ -74,7 +74,7 @@ class MultiheadDiffAttnV2(AttentionBase):
         q, k, v = project_heads(self, x, positions, cache, rotary, 2 * h)  # (B, heads, T, d)
         k, v, mask = attended(self, k, v, mask, cache, t)  # with a cache all L slots (B, Hkv, L, d)
         attn, probs = standard_attention(
-            q, k, v, scale=self.scaling, causal=self.causal and cache is None, mask=mask, need_weights=need_weights
+            q, k, v, scale=self.scaling, causal=causal_of(self, cache), mask=mask, need_weights=need_weights
         )  # (B, 2H, T, d)
         lam = self.lambda_full(x)  # (B, H, T, 1)
         attn = attn[:, 0::2] - lam.to(attn.dtype) * attn[:, 1::2]  # (B, H, T, d)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from difftransformer.core.attention.common import AttentionBase, KVStore, attended, project_heads
+from difftransformer.core.attention.common import AttentionBase, KVStore, attended, causal_of, project_heads
 from difftransformer.core.attention.kernels import standard_attention
 from difftransformer.core.config import ModelConfig
 from difftransformer.core.layers import RMSNorm, head_norm_project
@@ -72,7 +72,7 @@ class MultiheadAttention(AttentionBase):
         q, k, v = project_heads(self, x, positions, cache, rotary, self.num_heads)  # (B, heads, T, d)
         k, v, mask = attended(self, k, v, mask, cache, t)  # with a cache all L slots (B, Hkv, L, d)
         attn, weights = standard_attention(
-            q, k, v, scale=self.scaling, causal=self.causal and cache is None, mask=mask, need_weights=need_weights
+            q, k, v, scale=self.scaling, causal=causal_of(self, cache), mask=mask, need_weights=need_weights
         )
         if self.subln is not None:
             out = head_norm_project(attn, self.subln, 1.0, self.out_proj)
