@@ -185,6 +185,25 @@ def test_bench_context_predicts_and_skips_what_cannot_fit_or_finish():
         "skipped": "a shorter T (2048) did not fit",
     }
     assert _skip_reason([], 1024, budget=1, max_seconds=1) is None  # the first T always runs
+    timed_out = [*quadratic, {"seq": 4096, "fits": None, "skipped": "predicted 16 s > --max-seconds 10"}]
+    later = _skip_reason(timed_out, 8192, budget=1 << 40, max_seconds=10)  # a time skip is no failure to fit
+    assert later["fits"] is None and "predicted 64 s" in later["skipped"]
+
+
+def test_a_rerun_decides_its_skips_again(tmp_path, monkeypatch):
+    """A skip is a prediction: the same store rerun with a larger --max-seconds measures what was skipped."""
+    from difftransformer.apps import bench_context
+
+    def fake(job, budget):
+        return {"fits": True, "seconds": [job["seq"] ** 2 / 1e6], "repeats": 1, "peak_rss": job["seq"] << 10}
+
+    monkeypatch.setattr(bench_context, "_measure", fake)
+    store = tmp_path / "context.json"
+    run = dict(seqs=[1000, 2000, 4000], kinds=("prefill",), models=("diff",), repeats=1)
+    rows = bench_context.bench_context(store, max_seconds=10, **run)["rows"]
+    assert [("seconds" in e, e["fits"]) for e in rows] == [(True, True), (True, True), (False, None)]  # 16 s > 10
+    rows = bench_context.bench_context(store, max_seconds=100, **run)["rows"]
+    assert [e["seq"] for e in rows if "seconds" in e] == [1000, 2000, 4000] and len(rows) == 3
 
 
 def test_a_t_beyond_the_memory_budget_is_a_result_not_a_crash():

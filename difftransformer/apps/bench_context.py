@@ -62,13 +62,15 @@ def bench_context(
     threads: int = 1,
 ) -> dict:
     """Run (or resume) the sweep into ``store`` and return its record. Each (kind, model, T) is measured once: a
-    child process that builds the model, warms it up on 256 tokens and times ``repeats`` runs at T."""
+    child process that builds the model, warms it up on 256 tokens and times ``repeats`` runs at T. A skip is a
+    prediction, not a measurement: a rerun decides it again (with a larger ``max_seconds`` or budget, it runs)."""
     seqs = sorted(seqs or DEFAULT_SEQS)
     if importlib.util.find_spec("transformers") is None:  # optional: HF DiffLlama is left out, and the table says so
         models = tuple(n for n in models if n != "hf-diffllama")
     budget = budget_bytes or default_budget_bytes()
     store = Path(store)
     result = _open_store(store, preset, batch)
+    result["rows"] = [e for e in result["rows"] if "skipped" not in e]
     for kind in kinds:
         for model in models:
             series = [e for e in result["rows"] if e["kind"] == kind and e["model"] == model]
@@ -105,8 +107,9 @@ def _skip_reason(series: list[dict], t: int, budget: int, max_seconds: float) ->
     the two longest shorter T measured (time and memory as T^alpha, alpha at least 1) predicts more memory than
     the budget or more time than max_seconds."""
     done = sorted((e for e in series if e["seq"] < t), key=lambda e: e["seq"])
-    if any(not e["fits"] for e in done):
-        return {"fits": False, "skipped": f"a shorter T ({next(e['seq'] for e in done if not e['fits'])}) did not fit"}
+    failed = [e["seq"] for e in done if e["fits"] is False]  # out of memory, measured or predicted (None: time)
+    if failed:
+        return {"fits": False, "skipped": f"a shorter T ({failed[0]}) did not fit"}
     measured = [e for e in done if "seconds" in e]
     if not measured:
         return None
