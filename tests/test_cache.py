@@ -58,7 +58,6 @@ def test_a_first_pass_without_padding_runs_causal_over_its_slots_and_builds_no_m
         seen.append((out[0].shape[-2], out[2] is None, common.causal_of(attn, cache)))
         return out
 
-    monkeypatch.setattr(common, "attended", recording)
     for module in ("diff", "diff_v2", "standard"):
         monkeypatch.setattr(f"difftransformer.core.attention.{module}.attended", recording)
     cache = KVCache(model, 2, 16)

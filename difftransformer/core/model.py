@@ -109,7 +109,8 @@ class TransformerLM(nn.Module):
         they cover the cache's slots instead of T: (B, L) or (B, T, L).
         positions: optional (T,) or (B, T) positions for the rotary embedding (default 0..T-1, or the slots).
         cache: optional KVStore (difftransformer.inference.cache.KVCache): this pass's keys and values are written at
-        ``slots`` (default: the next T after ``cache.length``, which then advances) and every slot is attended.
+        ``slots`` (default: the next T after ``cache.length``, which then advances) and every slot is attended (a
+        first pass without padding: its own slots, causally; KVCache.prepare).
         """
         auto_slots = cache is not None and slots is None
         self._check_tokens(tokens, cache.length if auto_slots else 0, cache)

@@ -4,7 +4,8 @@ The buffers are allocated once, for ``batch`` rows and ``max_len`` slots, in eac
 the sequence on dimension -2 (differential V1: keys (B, Hkv, 2, L, d) and values (B, Hkv, L, 2d); standard and V2:
 (B, Hkv, L, d)). The cache holds exactly what the model reads: ``2 Hkv d`` keys and values per token for V1, as for
 the baseline. Every forward pass writes its tokens' keys and values at its ``slots`` and attends over all ``max_len``
-slots, with a mask that lets the query in slot i see the slots up to i (and, with a padding mask, only real tokens).
+slots, with a mask that lets the query in slot i see the slots up to i (and, with a padding mask, only real tokens);
+a first pass without padding attends its own slots causally instead, with no mask (``prepare``).
 All shapes are fixed from prefill to the last decode step, so ``torch.compile`` compiles one decode step for all.
 """
 
