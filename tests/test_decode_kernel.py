@@ -21,6 +21,7 @@ CASES = {  # b, h, hkv, tq, tk, d, causal, masked
     "several rows, causal and masked": (3, 4, 2, 5, 70, 8, True, True),
     "a long cache (several blocks), d 64": (1, 2, 1, 1, 2500, 64, False, True),
     "odd key counts (the 4-key loops' tails)": (1, 2, 1, 3, 7, 5, True, False),
+    "a cache's mask: filled slots visible, one row with a hole": (2, 4, 2, 2, 90, 16, True, "filled"),
 }
 
 
@@ -30,7 +31,11 @@ def case_inputs(b, h, hkv, tq, tk, d, masked, dtype, seed=0):
     k = torch.randn(b, hkv, 2, tk, d, generator=g, dtype=dtype)
     v = torch.randn(b, hkv, tk, 2 * d, generator=g, dtype=dtype)
     mask = None
-    if masked:
+    if masked == "filled":  # rows whose visible keys are contiguous take the kernel's unmasked loops
+        mask = torch.ones(b, 1, tq, tk, dtype=torch.bool)
+        mask[..., -5:] = False  # the slots the cache has not filled
+        mask[-1, :, -1, 40] = False  # except one row, with a hidden key among the visible ones
+    elif masked:
         mask = torch.rand(b, 1, tq, tk, generator=g) > 0.3
         mask[0, :, 0] = False  # a row that may attend nothing: zeros, not NaN
         mask[..., -3:] = False  # unfilled cache slots at the end
@@ -50,7 +55,7 @@ def test_the_decode_kernel_equals_the_float64_materialised_method(kernel, thread
     assert out.shape == ref.shape and out.dtype == dtype
     tol = dict(rtol=1e-10, atol=1e-10) if dtype == torch.float64 else dict(rtol=1e-5, atol=2e-5)
     torch.testing.assert_close(out.double(), ref, **tol)
-    if masked:
+    if masked is True:
         assert not out[0, :, 0].any()  # the row that sees nothing
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
 import json
 import os
 import sys
@@ -96,10 +95,11 @@ def _bench(args: argparse.Namespace) -> int:
             )  # fmt: skip
             print(bench_context.format_context(result))
             if any("seconds" in e for e in result["rows"]):
-                if importlib.util.find_spec("matplotlib") is None:  # hours of measurements are not lost to a figure
-                    print("bench context: no figure drawn, matplotlib is not installed (pip install "
-                          "'difftransformer[plot]'); the table above and the store hold every result",
-                          file=sys.stderr)  # fmt: skip
+                from difftransformer.apps.repro.report import PLOT_EXTRA, has_pyplot
+
+                if not has_pyplot():  # hours of measurements are not lost to a figure
+                    print(f"bench context: no figure drawn, matplotlib is not installed ({PLOT_EXTRA}); the table "
+                          "above and the store hold every result", file=sys.stderr)  # fmt: skip
                 else:
                     bench_context.figure(result, Path(args.json).with_suffix(".png"))
             return 0  # the store is the JSON, written after each measurement

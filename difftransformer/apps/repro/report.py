@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import statistics
 from pathlib import Path
@@ -60,12 +61,20 @@ def images(task: str) -> str:
     return f"Figures: `{task}_*.png` beside this report."
 
 
+PLOT_EXTRA = "pip install 'difftransformer[plot]'"  # what installs matplotlib, in every message that asks for it
+
+
+def has_pyplot() -> bool:
+    """Whether matplotlib is installed, so that pyplot() can draw (checked without importing it)."""
+    return importlib.util.find_spec("matplotlib") is not None
+
+
 def pyplot():
     """matplotlib's pyplot on the file-only Agg backend (figures are written, never shown)."""
     try:
         import matplotlib
     except ImportError:
-        raise InputError("the figures need matplotlib: pip install 'difftransformer[plot]'") from None
+        raise InputError(f"the figures need matplotlib: {PLOT_EXTRA}") from None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

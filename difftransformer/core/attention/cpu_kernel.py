@@ -52,7 +52,10 @@ def build_directory() -> Path:
 
 
 def _flags() -> list[str]:
-    native = ["-march=native"] if platform.machine() in ("x86_64", "AMD64") else []
+    # GCC vectorises with 256-bit registers even where the CPU has 512-bit ones; the kernel's exp and row loops
+    # measured 35% faster with 512 on an AVX-512 Xeon (forward's own loops 75 -> 48 ms at T 4096). Without AVX-512
+    # the preference has no effect.
+    native = ["-march=native", "-mprefer-vector-width=512"] if platform.machine() in ("x86_64", "AMD64") else []
     # at::parallel_for is a header template: compiled without -fopenmp it runs every task on one thread. The OpenMP
     # runtime it then calls is the one torch has loaded (not linked again here).
     openmp = ["-fopenmp"] if torch._C.has_openmp and sys.platform.startswith("linux") else []

@@ -33,6 +33,8 @@
 
 namespace {
 
+static_assert(sizeof(bool) == 1, "the mask is read as bytes (0 = may not attend)");
+
 // exp(x) for x <= 0 in float, in a form the compiler vectorises: Cody-Waite reduction x = n ln2 + r,
 // |r| <= ln2 / 2, and a degree-7 polynomial for exp(r) (about 1 ulp); below -87 the result is clamped to
 // exp(-87) ~ 1.6e-38, which no softmax row (whose largest term is 1) can resolve.
@@ -405,6 +407,9 @@ at::Tensor decode_impl(const at::Tensor& q, const at::Tensor& k, const at::Tenso
       int64_t n = reach(s, i);
       if (allowed) {
         while (n > 0 && !allowed[n - 1]) --n;  // up to the last visible key
+        // A cache's mask hides only the slots it has not filled (trimmed above) unless a batch is padded: a row
+        // whose keys up to there are all visible takes the unmasked loops (one byte scan against 2d + 2d products)
+        if (std::memchr(allowed, 0, static_cast<size_t>(n)) == nullptr) allowed = nullptr;
       }
       T w[2];
       for (int64_t c = 0; c < 2; ++c) {
