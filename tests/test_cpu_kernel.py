@@ -3,6 +3,7 @@ block method (forward and every gradient, masks, GQA, caches), chosen where it a
 
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
@@ -310,3 +311,24 @@ def test_the_op_is_registered_for_the_cpu_key_only(kernel):
         assert torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CPU")
         for key in ("CUDA", "Meta", "CompositeImplicitAutograd", "CompositeExplicitAutograd"):
             assert not torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), key), key
+
+
+def test_a_term_64_below_its_row_s_largest_is_zero_not_subnormal(kernel):
+    """float32: a score 64 or more below its row's largest adds exactly 0 (under 1.6e-28 of the row, which no float32
+    sum resolves), so a sharp row makes no subnormal probabilities, nor gradients from them: x86 arithmetic on
+    subnormals is many times slower (a trained DIFF V1 step took 1.24 times as long as with them flushed). Four keys
+    share the row's largest score, so that e^-87 (where the exponential was clamped before) divided by the row's sum
+    is subnormal; keys 4 and 5 sit 63 and 65 below it, with values large enough to show whether each was kept."""
+    keys = torch.tensor([0.0, 0, 0, 0, -63, -65, -90, -90])
+    q = torch.ones(1, 1, 2, 2, 1, requires_grad=True)  # d = 1, scale 1: the scores are the keys
+    k = keys.view(1, 1, 1, 8, 1).expand(1, 1, 2, 8, 1).clone().requires_grad_()
+    v = torch.tensor([0.0, 0, 0, 0, 1e20, 1e20, 1, 1]).view(1, 1, 8, 1).expand(1, 1, 8, 2).clone().requires_grad_()
+    lam = torch.tensor(0.65, requires_grad=True)
+    out = fused(q, k, v, lam, causal=False, mask=None)
+    kept = 0.35 * math.exp(-63) / 4 * 1e20  # (1 - lambda) p_4 v_4, both maps alike; p_5 v_5 would add 13.5% more
+    torch.testing.assert_close(out, torch.full_like(out, kept), rtol=1e-5, atol=0)
+    grads = torch.autograd.grad(out, (q, k, v, lam), torch.full_like(out, 1e-3))
+    tiny = torch.finfo(torch.float32).tiny
+    for name, t in zip(("out", "dq", "dk", "dv", "dlambda"), (out, *grads), strict=True):
+        assert not ((t != 0) & (t.abs() < tiny)).any(), f"{name} holds subnormal values"
+    assert (grads[2][0, 0, 5:] == 0).all()  # the dropped keys get no value gradient at all

@@ -36,10 +36,15 @@ namespace {
 static_assert(sizeof(bool) == 1, "the mask is read as bytes (0 = may not attend)");
 
 // exp(x) for x <= 0 in float, in a form the compiler vectorises: Cody-Waite reduction x = n ln2 + r,
-// |r| <= ln2 / 2, and a degree-7 polynomial for exp(r) (about 1 ulp); below -87 the result is clamped to
-// exp(-87) ~ 1.6e-38, which no softmax row (whose largest term is 1) can resolve.
+// |r| <= ln2 / 2, and a degree-7 polynomial for exp(r) (about 1 ulp). Below -64 the result is 0: such a term,
+// under 1.6e-28 of its row's largest (which is 1), changes no float32 sum, and dropping it keeps each probability
+// (at least 1.6e-28 / T) and the products made from it out of the subnormal range, where x86 arithmetic is many
+// times slower (a trained model's sharp rows are mostly such terms; clamped to exp(-87) they became subnormal
+// once divided by the row's sum).
+constexpr float kExpFloor = -64.0f;
 inline float exp_nonpositive(float x) {
-  x = x < -87.0f ? -87.0f : x;
+  const bool negligible = x < kExpFloor;
+  x = negligible ? kExpFloor : x;
   const float n = std::nearbyint(x * 1.44269504088896341f);
   float r = x - n * 0.693359375f;
   r = r + n * 2.12194440e-4f;
@@ -53,7 +58,7 @@ inline float exp_nonpositive(float x) {
   const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
   float two_n;
   std::memcpy(&two_n, &bits, sizeof two_n);
-  return p * two_n;
+  return negligible ? 0.0f : p * two_n;
 }
 
 inline double exp_nonpositive(double x) { return std::exp(x); }
