@@ -22,6 +22,7 @@ OPTIONAL_EXTRA = {
     "lm_eval": "eval",
     "accelerate": "eval",
     "triton": "triton",
+    "yaml": "yaml",
 }
 
 

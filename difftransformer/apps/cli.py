@@ -179,34 +179,30 @@ def _tokenizer_train(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from difftransformer.errors import InputError, Interrupted, TrainingDiverged
+    from difftransformer.errors import ConfigError, Interrupted, TrainingDiverged
     from difftransformer.fsutil import parse_json_object
     from difftransformer.training.config import TrainConfig
+    from difftransformer.training.config_file import file_error, read_config_file, to_toml
     from difftransformer.training.distributed import unwrap
-    from difftransformer.training.loop import Trainer, resume_config
+    from difftransformer.training.loop import Trainer
     from difftransformer.training.step import precision
 
     fields = [f.name for f in dataclasses.fields(TrainConfig) if f.name not in ("out", "model", "betas")]
     given = {name: getattr(args, name) for name in fields if getattr(args, name) is not None}
-    if args.model is not None:
-        given["model"] = parse_json_object(args.model, "--model")
-    out = args.out or f"runs/{given.get('attention', 'diff')}-{given.get('preset', 'tiny')}"
-    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
-    if not args.resume and restarts and (Path(out) / "train_config.json").is_file():
-        args.resume = args.out = out  # torchrun restarted the group after a failure: the run goes on where it stopped
-        if os.environ.get("RANK", "0") == "0":
-            print(f"difftx train: torchrun restart {restarts}: resuming {out}", file=sys.stderr, flush=True)
-    if args.resume:
-        cfg, resume = resume_config(args.resume, out=args.out, **given), True
-    elif args.init_from and (clash := [name for name in ("preset", "attention", "model") if name in given]):
-        raise InputError(
-            f"`{clash[0]}` cannot be given with `init_from`: the model (its config and weights) comes from "
-            f"{args.init_from}; drop `{clash[0]}`"
-        )
-    elif not args.data:
-        raise InputError("difftx train needs --data (a directory made by 'difftx data prepare') or --resume RUN")
-    else:
-        cfg, resume = TrainConfig(**given, out=out), False
+    from_file = read_config_file(args.config) if args.config else {}
+    if args.model is not None:  # the flag's keys override the file's model table, key by key
+        given["model"] = {**from_file.get("model", {}), **parse_json_object(args.model, "--model")}
+    if args.out is not None:
+        given["out"] = args.out
+    try:
+        cfg, resume = _train_config(args, {**from_file, **given}, flags=set(given))
+    except ConfigError as err:
+        if err.field in from_file and err.field not in given:  # the file's value: its key, in its file
+            raise file_error(args.config, err) from None
+        raise
+    if args.print_config:
+        print(to_toml(dataclasses.asdict(cfg) | ({} if cfg.data != _NO_DATA else {"data": None})), end="")
+        return 0
     try:
         trainer = Trainer(cfg, resume=resume, quiet=args.quiet)
     except TrainingDiverged as err:  # the run's newest checkpoint is not healthy
@@ -259,6 +255,41 @@ def _train(args: argparse.Namespace) -> int:
             f"{cfg.out} --max-steps N)"
         )
     return 0
+
+
+_NO_DATA = "<no data>"  # --print-config without a data directory: the printed config says it is required
+
+
+def _train_config(args: argparse.Namespace, settings: dict, flags: set[str]):
+    """The run's TrainConfig from the settings (the config file's, then the flags', whose names are ``flags``) and
+    whether it resumes."""
+    from difftransformer.errors import InputError
+    from difftransformer.training.config import TrainConfig
+    from difftransformer.training.loop import resume_config
+
+    out = settings.pop("out", None)
+    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    default_out = out or f"runs/{settings.get('attention', 'diff')}-{settings.get('preset', 'tiny')}"
+    if not args.resume and restarts and (Path(default_out) / "train_config.json").is_file():
+        args.resume = out = default_out  # torchrun restarted the group after a failure: the run goes on
+        if os.environ.get("RANK", "0") == "0":
+            print(f"difftx train: torchrun restart {restarts}: resuming {out}", file=sys.stderr, flush=True)
+    if args.resume:
+        return resume_config(args.resume, out=out, **settings), True
+    # A model from init_from: a flag that sets it is refused, and a file's preset or model (a run started so records
+    # neither; the trainer checks a file's attention against the model's)
+    clash = [n for n in ("preset", "attention", "model") if n in flags]
+    clash = clash or [n for n in ("preset", "model") if settings.get(n)]
+    if settings.get("init_from") and clash:
+        raise InputError(
+            f"`{clash[0]}` cannot be given with `init_from`: the model (its config and weights) comes from "
+            f"{settings['init_from']}; drop `{clash[0]}`"
+        )
+    if not settings.get("data"):
+        if not args.print_config:
+            raise InputError("difftx train needs --data (a directory made by 'difftx data prepare') or --resume RUN")
+        settings["data"] = _NO_DATA
+    return TrainConfig(**settings, out=default_out), False
 
 
 def _check_utf8(text: str, flag: str) -> None:
@@ -558,6 +589,15 @@ def _train_command(sub) -> None:
         metavar="RUN",
         help="continue the run in this directory from its last checkpoint; it may change "
         + ", ".join("--" + name.replace("_", "-") for name in RESUMABLE),
+    )
+    tr.add_argument(
+        "--config",
+        metavar="FILE",
+        help="settings from a TOML, YAML or JSON file (keys: these flags' names, a [model] table of ModelConfig "
+        "overrides, betas; a run's train_config.json is one); flags given beside it override it",
+    )
+    tr.add_argument(
+        "--print-config", action="store_true", help="print the effective settings as TOML (a --config file) and exit"
     )
     _config_flags(tr, TrainConfig, skip=("betas",), defaults={"out": "runs/<attention>-<preset>"})
     tr.add_argument("--quiet", action="store_true", help="no live progress line (the summaries still print)")

@@ -63,6 +63,34 @@ def map_properties(model: TransformerLM, tokens: torch.Tensor) -> dict:
     }
 
 
+def demo_config(
+    kind: str,
+    data: str | Path,
+    out: str | Path,
+    steps: int = 240,
+    eval_every: int = 40,
+    seq_len: int = 256,
+    batch_size: int = 16,
+) -> TrainConfig:
+    """The demo's training run of one model (configs/demo-diff.toml and demo-standard.toml hold the same)."""
+    return TrainConfig(
+        data=str(data),
+        out=str(out),
+        preset="tiny",
+        attention=kind,
+        seq_len=seq_len,
+        batch_size=batch_size,
+        max_steps=steps,
+        lr=3e-3,
+        warmup_steps=max(1, steps // 10),
+        eval_interval=eval_every,
+        log_interval=max(1, eval_every // 4),
+        ckpt_interval=steps,
+        keep_last=1,
+        seed=0,
+    )
+
+
 def run_demo(
     steps: int = 240,
     eval_every: int = 40,
@@ -84,22 +112,7 @@ def run_demo(
         progress.update(done, done * batch_size * seq_len, note=note)
 
     for kind in KINDS:
-        cfg = TrainConfig(
-            data=str(data_dir),
-            out=str(run_dir / kind),
-            preset="tiny",
-            attention=kind,
-            seq_len=seq_len,
-            batch_size=batch_size,
-            max_steps=steps,
-            lr=3e-3,
-            warmup_steps=max(1, steps // 10),
-            eval_interval=eval_every,
-            log_interval=max(1, eval_every // 4),
-            ckpt_interval=steps,
-            keep_last=1,
-            seed=0,
-        )
+        cfg = demo_config(kind, data_dir, run_dir / kind, steps, eval_every, seq_len, batch_size)
         trainers[kind] = Trainer(cfg, quiet=True, on_step=lambda row, kind=kind: shown(kind, row))
     diff, std = (trainers[k].model for k in KINDS)
     n_diff, n_std = diff.num_parameters(), std.num_parameters()

@@ -1,0 +1,116 @@
+"""A training run's settings in a file: `difftx train --config FILE` reads TOML, YAML or JSON, and `--print-config`
+writes the effective config as TOML.
+
+The keys are the flags' names (``lr``, ``batch_size`` or ``batch-size``), and ``model`` is a table of ModelConfig
+overrides; ``betas``, which has no flag, may be given too. A key set to null (JSON, YAML) takes the value None, as
+the run's saved ``train_config.json`` records an unset field: that file is such a config, and starts a new run with
+the same recipe.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+from difftransformer.errors import ConfigError, InputError
+from difftransformer.fsutil import parse_json_object, read_text
+from difftransformer.training.config import TrainConfig
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10 reads TOML with the backport (a dependency there)
+    import tomli as tomllib
+
+FORMATS = {".toml": "TOML", ".yaml": "YAML", ".yml": "YAML", ".json": "JSON"}
+KEYS = tuple(f.name for f in dataclasses.fields(TrainConfig))
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """The TrainConfig fields a config file sets, its keys checked; the errors name the file."""
+    path = Path(path)
+    kind = FORMATS.get(path.suffix.lower())
+    if kind is None:
+        raise InputError(
+            f"`config` {path}: unknown format {path.suffix or '(no suffix)'!r}; name the file .toml, .yaml, .yml or "
+            ".json"
+        )
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"`config` {path} does not exist; give a TOML, YAML or JSON file (difftx train --print-config writes one)"
+        )
+    data = _parse(read_text(path), kind, str(path))
+    fields: dict[str, Any] = {}
+    for key, value in data.items():
+        name = str(key).replace("-", "_")
+        if name not in KEYS:
+            raise InputError(f"{path}: unknown key {key!r}; the keys are the flags' names: {', '.join(KEYS)}")
+        if name in fields:
+            raise InputError(f"{path}: {name!r} is given twice (as {name!r} and {name.replace('_', '-')!r})")
+        fields[name] = value
+    if "model" in fields and not isinstance(fields["model"], dict):
+        raise InputError(f"{path}: model must be a table of ModelConfig fields, got {fields['model']!r}")
+    return fields
+
+
+def _parse(text: str, kind: str, where: str) -> dict[str, Any]:
+    if kind == "JSON":
+        return parse_json_object(text, where)
+    if kind == "TOML":
+        try:
+            return tomllib.loads(text)
+        except tomllib.TOMLDecodeError as err:
+            raise InputError(f"{where} is not valid TOML ({err})") from None
+    import yaml  # an optional dependency (the yaml extra): the CLI names it when missing
+
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise InputError(f"{where} is not valid YAML ({' '.join(str(err).split())})") from None
+    if not isinstance(data, dict):
+        raise InputError(f"{where} must hold a mapping of settings, got {type(data).__name__}")
+    return data
+
+
+def file_error(path: str | Path, err: ConfigError) -> InputError:
+    """A range error of a field the file set, naming the file and its key (not a flag)."""
+    return InputError(f"{path}: {err.render(str)}")
+
+
+def to_toml(settings: dict[str, Any]) -> str:
+    """A TrainConfig's fields (``dataclasses.asdict``) as a TOML file that `--config` reads back to the same config;
+    an unset field (None) is a comment saying what applies instead."""
+    lines = ["# difftx train --config FILE reads this; flags given beside it override it"]
+    meta = {f.name: f.metadata for f in dataclasses.fields(TrainConfig)}
+    settings = dict(settings)
+    model = settings.pop("model", {}) or {}
+    for name, value in settings.items():
+        if value is None:
+            instead = meta[name].get("default") or ("required" if name == "data" else "the default applies")
+            lines.append(f"# {name} is unset ({instead}): {meta[name]['help']}")
+        else:
+            lines.append(f"{name} = {_value(value)}")
+    lines += ["", "[model]  # ModelConfig overrides of the preset"]
+    lines += [f"{name} = {_value(value)}" for name, value in model.items() if value is not None]
+    return "\n".join(lines) + "\n"
+
+
+def _value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "nan"
+        return ("inf" if value > 0 else "-inf") if math.isinf(value) else repr(value)
+    if isinstance(value, str):  # a basic string: JSON's escapes are TOML's, but DEL must be escaped too
+        return json.dumps(value, ensure_ascii=False).replace("\x7f", "\\u007f")
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{json.dumps(str(k))} = {_value(v)}" for k, v in value.items()) + "}"
+    raise InputError(f"cannot write {value!r} ({type(value).__name__}) as TOML")

@@ -1,0 +1,182 @@
+"""`difftx train --config FILE` (TOML, YAML, JSON) and `--print-config`: what a file sets, what flags override, the
+errors naming the file and its key, and a run's saved train_config.json as a config."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import SMALL, optional, train_args
+
+from difftransformer.apps.cli import main
+from difftransformer.training.config import TrainConfig
+from difftransformer.training.config_file import read_config_file, to_toml, tomllib
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = sorted((ROOT / "configs").glob("*.toml"))
+
+TOML = """
+data = "data/here"
+lr = 0.002
+batch-size = 8
+betas = [0.9, 0.95]
+
+[model]
+n_layers = 2
+d_model = 64
+"""
+YAML = """
+data: data/here
+lr: 0.002
+batch-size: 8
+betas: [0.9, 0.95]
+model:
+  n_layers: 2
+  d_model: 64
+"""
+
+
+def printed(capsys, *argv: str) -> dict:
+    assert main(["train", *argv, "--print-config"]) == 0
+    return tomllib.loads(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("name, text", [("run.toml", TOML), ("run.yaml", YAML), ("run.yml", YAML)])
+def test_a_file_sets_the_fields_by_the_flags_names(tmp_path, name, text):
+    if name.endswith((".yaml", ".yml")):
+        optional("yaml")
+    path = tmp_path / name
+    path.write_text(text)
+    fields = read_config_file(path)
+    assert fields == {
+        "data": "data/here",
+        "lr": 0.002,
+        "batch_size": 8,
+        "betas": [0.9, 0.95],
+        "model": {"n_layers": 2, "d_model": 64},
+    }
+    cfg = TrainConfig(**fields, out="o")
+    assert (cfg.lr, cfg.batch_size, cfg.betas, cfg.model) == (0.002, 8, (0.9, 0.95), {"n_layers": 2, "d_model": 64})
+
+
+def test_flags_override_the_file_and_model_keys_merge(tmp_path, capsys):
+    path = tmp_path / "run.toml"
+    path.write_text(TOML)
+    shown = printed(capsys, "--config", str(path), "--lr", "0.004", "--model", '{"n_layers": 3, "n_heads": 2}')
+    assert shown["lr"] == 0.004  # the flag
+    assert shown["batch_size"] == 8 and shown["betas"] == [0.9, 0.95]  # the file
+    assert shown["model"] == {"n_layers": 3, "d_model": 64, "n_heads": 2}  # the file's table, the flag's keys over it
+    assert shown["max_steps"] == 2000 and shown["warmup_steps"] == 200  # neither: the defaults, resolved
+
+
+def test_print_config_round_trips_and_says_what_is_unset(tmp_path, capsys):
+    assert main(["train", "--lr", "0.003", "--seed", "7", "--print-config"]) == 0
+    out = capsys.readouterr().out
+    assert "# data is unset (required)" in out  # no --data: the printed file says what it lacks
+    assert "# seq_len is unset (min(max_seq_len, 256))" in out
+    path = tmp_path / "printed.toml"
+    path.write_text(out)
+    again = printed(capsys, "--config", str(path), "--data", "d")
+    first = tomllib.loads(out)
+    assert again == {**first, "data": "d"}  # the printed file reads back to the same settings
+    assert again["lr"] == 0.003 and again["seed"] == 7
+
+
+@pytest.mark.parametrize(
+    "name, text, message",
+    [
+        ("run.toml", 'data = "d"\nlr = 2.0\n', "run.toml: lr must be a finite number in (0, 1]"),
+        ("run.toml", 'data = "d"\nlearning_rate = 0.1\n', "run.toml: unknown key 'learning_rate'"),
+        ("run.toml", 'data = "d"\nbatch_size = 8\nbatch-size = 4\n', "'batch_size' is given twice"),
+        ("run.toml", 'data = "d"\nmodel = 3\n', "run.toml: model must be a table"),
+        ("run.toml", 'data = "d"\n[model]\nn_layerz = 2\n', "run.toml: model has 'n_layerz'"),
+        ("run.toml", "data = \n", "run.toml is not valid TOML (Invalid value (at line 1"),
+        ("run.yaml", "data: [1,\n", "run.yaml is not valid YAML"),
+        ("run.yaml", "- 1\n- 2\n", "run.yaml must hold a mapping of settings, got list"),
+        ("run.json", "[1]", "run.json must hold a JSON object, got list"),
+        ("run.ini", "lr=1", "unknown format '.ini'; name the file .toml, .yaml, .yml or .json"),
+    ],
+)
+def test_errors_name_the_file_and_its_key(tmp_path, capsys, monkeypatch, name, text, message):
+    if name.endswith(".yaml"):
+        optional("yaml")
+    monkeypatch.chdir(tmp_path)
+    Path(name).write_text(text)
+    assert main(["train", "--config", name, "--print-config"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert message in err, err
+    assert "--lr" not in err  # a file's key is named as the file names it, not as a flag
+
+
+def test_a_flag_s_error_names_the_flag_not_the_file(tmp_path, capsys):
+    path = tmp_path / "run.toml"
+    path.write_text('data = "d"\nlr = 2.0\n')
+    assert main(["train", "--config", str(path), "--lr", "3", "--print-config"]) == 2
+    err = capsys.readouterr().err
+    assert "--lr must be" in err and "run.toml" not in err
+
+
+def test_a_missing_file_and_a_missing_yaml_module_are_named(tmp_path, capsys, monkeypatch):
+    assert main(["train", "--config", str(tmp_path / "nope.toml"), "--print-config"]) == 2
+    err = capsys.readouterr().err
+    assert "--config" in err and "nope.toml does not exist" in err, err
+    path = tmp_path / "run.yaml"
+    path.write_text(YAML)
+    monkeypatch.setitem(sys.modules, "yaml", None)  # as if PyYAML were not installed
+    assert main(["train", "--config", str(path), "--print-config"]) == 2
+    assert "pip install 'difftransformer[yaml]'" in capsys.readouterr().err
+    with pytest.raises(FileNotFoundError, match="nope.json does not exist"):
+        read_config_file(tmp_path / "nope.json")
+
+
+def test_toml_writer_values_read_back():
+    settings = {
+        "data": 'a "quoted" path\\ with\ttab and \x7f and é and 😀',
+        "out": "o",
+        "lr": 1e-05,
+        "betas": (0.9, 0.98),
+        "compile": True,
+        "threads": None,
+        "model": {"dropout": 0.0, "tie_embeddings": False, "lambda_init": float("inf")},
+    }
+    read = tomllib.loads(to_toml(settings))
+    assert read["data"] == settings["data"] and read["lr"] == 1e-05 and read["betas"] == [0.9, 0.98]
+    assert read["compile"] is True and "threads" not in read
+    assert read["model"] == {"dropout": 0.0, "tie_embeddings": False, "lambda_init": float("inf")}
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
+def test_the_example_configs_load(path, capsys):
+    fields = read_config_file(path)
+    cfg = TrainConfig(**fields, out="o")
+    assert cfg.preset in path.stem or path.stem.startswith("demo-")
+    shown = printed(capsys, "--config", str(path))
+    assert shown["preset"] == cfg.preset and shown["lr"] == cfg.lr
+
+
+def test_the_demo_configs_are_the_demo_s_settings():
+    from difftransformer.apps.demo import demo_config
+
+    for kind in ("diff", "standard"):
+        fields = read_config_file(ROOT / "configs" / f"demo-{kind}.toml")
+        assert dataclasses_dict(TrainConfig(**fields, out="o")) == dataclasses_dict(
+            demo_config(kind, data=fields["data"], out="o")
+        )
+
+
+def dataclasses_dict(cfg: TrainConfig) -> dict:
+    import dataclasses
+
+    return dataclasses.asdict(cfg)
+
+
+@pytest.mark.slow
+def test_a_runs_saved_config_starts_a_run_with_the_same_recipe(prepared, tmp_path):
+    first, second = tmp_path / "first", tmp_path / "second"
+    assert main(["train", *train_args(prepared, out=first, max_steps=2, lr=0.004, seed=3)]) == 0
+    saved = json.loads((first / "train_config.json").read_text())
+    assert saved["lr"] == 0.004 and saved["model"] == SMALL
+    assert main(["train", "--config", str(first / "train_config.json"), "--out", str(second), "--quiet"]) == 0
+    assert json.loads((second / "train_config.json").read_text()) == saved  # the run's recipe, to the last field
