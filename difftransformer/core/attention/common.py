@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import nn
@@ -10,6 +10,9 @@ from torch import nn
 from difftransformer.core.attention.kernels import softmax_dtype
 from difftransformer.core.rotary import apply_rotary, check_positions, rope_scaling_problem, rotary_angles
 from difftransformer.errors import InputError
+
+if TYPE_CHECKING:
+    from difftransformer.core.config import ModelConfig
 
 
 class KVStore(Protocol):
@@ -55,6 +58,25 @@ class AttentionBase(nn.Module):
         self.layer_idx, self.rope_theta, self.causal = layer_idx, rope_theta, causal
         self.rope_scaling = rope_scaling
         self.scaling = self.head_dim**-0.5
+
+    @classmethod
+    def from_config(cls, cfg: ModelConfig, layer_idx: int) -> AttentionBase:
+        """This variant's layer ``layer_idx`` of a model: the sizes and rotary settings every variant takes, and the
+        variant's own options (``_config_options``)."""
+        return cls(
+            cfg.d_model,
+            cfg.attention_heads,
+            layer_idx,
+            cfg.attention_kv_heads,
+            rope_theta=cfg.rope_theta,
+            rope_scaling=cfg.rope_scaling,
+            **cls._config_options(cfg),
+        )
+
+    @classmethod
+    def _config_options(cls, cfg: ModelConfig) -> dict:
+        """The keyword arguments of this variant's own options, from the model config (none by default)."""
+        return {}
 
     def cache_shapes(self, batch: int, slots: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """Shapes of this layer's cached keys and values, (B, Hkv, L, d) each (differential V1 overrides it)."""

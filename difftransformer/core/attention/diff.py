@@ -135,16 +135,11 @@ class MultiheadDiffAttn(AttentionBase):
         self._impl = impl
 
     @classmethod
-    def from_config(cls, cfg: ModelConfig, layer_idx: int) -> MultiheadDiffAttn:
-        """The matched pair (docs/paper.md section 2): half the standard heads and groups, same head size (with
-        ``diff_heads="all"``: as many heads and groups as the standard model, of half its head size)."""
-        return cls(
-            cfg.d_model,
-            cfg.attention_heads,
-            layer_idx,
-            cfg.attention_kv_heads,
-            rope_theta=cfg.rope_theta,
-            rope_scaling=cfg.rope_scaling,
+    def _config_options(cls, cfg: ModelConfig) -> dict:
+        """The matched pair (docs/paper.md section 2) is in the config's sizes: half the standard heads and groups,
+        same head size (with ``diff_heads="all"``: as many heads and groups as the standard model, of half its head
+        size)."""
+        return dict(
             norm_eps=cfg.norm_eps,
             impl=cfg.attn_impl,
             head_norm=cfg.head_norm is not False,

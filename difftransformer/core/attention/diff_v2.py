@@ -16,7 +16,6 @@ from torch import nn
 
 from difftransformer.core.attention.common import AttentionBase, KVStore, attended, causal_of, project_heads
 from difftransformer.core.attention.kernels import softmax_dtype, standard_attention
-from difftransformer.core.config import ModelConfig
 
 
 class MultiheadDiffAttnV2(AttentionBase):
@@ -40,17 +39,6 @@ class MultiheadDiffAttnV2(AttentionBase):
         self.v_proj = nn.Linear(embed_dim, num_kv_heads * d, bias=False)
         self.out_proj = nn.Linear(num_heads * d, embed_dim, bias=False)
         self.lambda_proj = nn.Linear(embed_dim, num_heads, bias=False)
-
-    @classmethod
-    def from_config(cls, cfg: ModelConfig, layer_idx: int) -> MultiheadDiffAttnV2:
-        return cls(
-            cfg.d_model,
-            cfg.attention_heads,
-            layer_idx,
-            cfg.attention_kv_heads,
-            cfg.rope_theta,
-            rope_scaling=cfg.rope_scaling,
-        )
 
     def lambda_full(self, x: torch.Tensor) -> torch.Tensor:
         """Per-token, per-head lambda in float32: (B, H, T, 1)."""

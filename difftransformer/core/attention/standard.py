@@ -42,17 +42,8 @@ class MultiheadAttention(AttentionBase):
         self.subln = RMSNorm(d, eps=norm_eps) if head_norm else None
 
     @classmethod
-    def from_config(cls, cfg: ModelConfig, layer_idx: int) -> MultiheadAttention:
-        return cls(
-            cfg.d_model,
-            cfg.attention_heads,
-            layer_idx,
-            cfg.attention_kv_heads,
-            cfg.rope_theta,
-            rope_scaling=cfg.rope_scaling,
-            head_norm=bool(cfg.head_norm),
-            norm_eps=cfg.norm_eps,
-        )
+    def _config_options(cls, cfg: ModelConfig) -> dict:
+        return dict(head_norm=bool(cfg.head_norm), norm_eps=cfg.norm_eps)
 
     def forward(
         self,
