@@ -156,7 +156,9 @@ def test_ctrl_c_during_start_up_is_a_clean_stop(prepared, tmp_path, delay):
     time.sleep(delay)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 130, err
+    # 130, or ended by the SIGINT itself after the line (a shell reports both as 130): at 0.8 s about one run in
+    # five here ends so, with the same one line and no traceback, in the checkout before 2026-12-04 too
+    assert proc.returncode in (130, -signal.SIGINT), err
     assert re.fullmatch(r"difftx( generate)?: interrupted: stopped by SIGINT\n", err), err
 
 
