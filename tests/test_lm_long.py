@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import optional
 
-from difftransformer.apps.repro import lm, lm_blocks, lm_long, lm_long_report, lm_report
+from difftransformer.apps.repro import lm, lm_blocks, lm_long, lm_long_report, lm_report, lm_study
 from difftransformer.core.attention.diff import differential_attention
 from difftransformer.core.config import ModelConfig
 from difftransformer.core.model import TransformerLM, count_parameters
@@ -291,7 +291,7 @@ import sys, time
 sys.path.insert(0, {tests!r})
 from pathlib import Path
 from test_lm_long import TOY
-from difftransformer.apps.repro import lm_long
+from difftransformer.apps.repro import lm_long, lm_study
 from difftransformer.training.loop import Trainer
 
 step = Trainer.train_step
@@ -304,7 +304,7 @@ Trainer.train_step = slow_step  # here, not under __main__: the spawned runs imp
 
 if __name__ == "__main__":
     lm_long.PLANS["toy"] = TOY
-    lm_long.run(Path(sys.argv[1]), "toy", seeds=[0, 1], workers=1)
+    lm_study.run_long(Path(sys.argv[1]), "toy", seeds=[0, 1], workers=1)
 """
 
 
@@ -346,7 +346,7 @@ def test_a_toy_long_part_runs_is_killed_resumes_and_reports(tmp_path, monkeypatc
     reference = tmp_path / "reference"
     lm_long.open_long(reference, TOY, [0, 1])
     _toy_data(reference)
-    expected = lm_long.run(reference, "toy", seeds=[0, 1], workers=1)["long"]
+    expected = lm_study.run_long(reference, "toy", seeds=[0, 1], workers=1)["long"]
 
     study = tmp_path / "study"
     lm_long.open_long(study, TOY, [0, 1])
@@ -369,7 +369,7 @@ def test_a_toy_long_part_runs_is_killed_resumes_and_reports(tmp_path, monkeypatc
     proc.communicate(timeout=60)
     assert not (study / "measures" / f"{victim.name}.json").is_file()
 
-    again = lm_long.run(study, "toy", seeds=[0, 1], workers=1)["long"]
+    again = lm_study.run_long(study, "toy", seeds=[0, 1], workers=1)["long"]
     assert again["incomplete"] == [] and expected["incomplete"] == []
     assert set(lm.read_measures(study)) == set(lm.read_measures(reference))
     for v, row in expected["variants"].items():
@@ -411,7 +411,7 @@ def test_a_toy_long_part_runs_is_killed_resumes_and_reports(tmp_path, monkeypatc
         shutil.copy2(committed / name, elsewhere / name)
     shutil.copytree(committed / "measures", elsewhere / "measures")
     shutil.copytree(study / "data", elsewhere / "data")
-    continued = lm_long.run(elsewhere, "toy", seeds=[0, 1], workers=1)["long"]
+    continued = lm_study.run_long(elsewhere, "toy", seeds=[0, 1], workers=1)["long"]
     assert continued["variants"]["diff"]["losses"] == exported["variants"]["diff"]["losses"]
     assert not (elsewhere / "runs").exists()  # every run was measured already: nothing trained
 
@@ -452,8 +452,8 @@ def test_repro_lm_runs_the_long_part_only_when_asked(tmp_path, monkeypatch):
         out.mkdir(parents=True, exist_ok=True)
         (out / "section.md").write_text(kind)
 
-    monkeypatch.setattr(lm, "run", lambda out, scale, parts, *a: called("short", out, parts))
-    monkeypatch.setattr(lm_long, "run", lambda out, scale, seeds, *a: called("long", out, seeds))
+    monkeypatch.setattr(lm_study, "run", lambda out, scale, parts, *a: called("short", out, parts))
+    monkeypatch.setattr(lm_study, "run_long", lambda out, scale, seeds, *a: called("long", out, seeds))
     suite.run("lm", tmp_path / "a", seeds=2)
     suite.run("lm", tmp_path / "b", seeds=3, parts=("long",))
     suite.run("lm", tmp_path / "c", seeds=1, parts=("sweep", "long"))

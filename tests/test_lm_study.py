@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import optional
 
-from difftransformer.apps.repro import lm, lm_measure, lm_report
+from difftransformer.apps.repro import lm, lm_measure, lm_report, lm_study
 from difftransformer.apps.repro.scaling import PowerLaw, fit_power_law, fraction_needed
 from difftransformer.errors import ConfigError, InputError
 from difftransformer.training.data import TokenData, is_val_document, prepare
@@ -256,7 +256,7 @@ def toy_study(tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_a_toy_study_runs_resumes_and_reports(toy_study):
     optional("matplotlib")
-    result = lm.run(toy_study, "toy", seeds=[0, 1], workers=1)
+    result = lm_study.run(toy_study, "toy", seeds=[0, 1], workers=1)
     assert result["incomplete"] == []
     measures = lm.read_measures(toy_study)
     expected = {r.name for r in lm.sweep_runs(TOY)}
@@ -297,7 +297,7 @@ def test_a_toy_study_runs_resumes_and_reports(toy_study):
     trainer.fit(until=2)
     trainer.close()
     before = (toy_study / "runs" / victim.name / "metrics.jsonl").read_text()
-    again = lm.run(toy_study, "toy", parts=("grid",), seeds=[0, 1], workers=1)
+    again = lm_study.run(toy_study, "toy", parts=("grid",), seeds=[0, 1], workers=1)
     assert set(lm.read_measures(toy_study)) == expected
     assert (toy_study / "runs" / victim.name / "metrics.jsonl").read_text() == before  # measured, not retrained
     assert lm.read_measures(toy_study)[victim.name]["val"] == measures[victim.name]["val"]
@@ -314,7 +314,7 @@ def test_a_toy_study_runs_resumes_and_reports(toy_study):
     lm.open_study(elsewhere, TOY, [0, 1])
     shutil.copytree(committed / "measures", elsewhere / "measures")
     shutil.copytree(toy_study / "data", elsewhere / "data")
-    assert lm.run(elsewhere, "toy", seeds=[0, 1], workers=1)["paired"] == result["paired"]
+    assert lm_study.run(elsewhere, "toy", seeds=[0, 1], workers=1)["paired"] == result["paired"]
     assert not (elsewhere / "runs").exists()  # every run was measured already: nothing trained
 
 
@@ -353,7 +353,7 @@ def test_missing_corpus_names_the_fetch_command(tmp_path):
 
 @pytest.mark.slow
 def test_the_report_of_a_partial_study(toy_study):
-    lm.run(toy_study, "toy", parts=("sweep",), seeds=[0, 1], workers=1)
+    lm_study.run(toy_study, "toy", parts=("sweep",), seeds=[0, 1], workers=1)
     result = lm_report.analyse(TOY, [0, 1], lm.read_measures(toy_study))
     assert result["incomplete"] == ["grid", "ablations"] and "grid" not in result
     assert "Not yet run" in (toy_study / "section.md").read_text()
@@ -374,7 +374,7 @@ def test_a_diverged_run_is_recorded_and_never_picked(toy_study, monkeypatch):
         return fit(self, until)
 
     monkeypatch.setattr(Trainer, "fit", unstable)
-    result = lm.run(toy_study, "toy", parts=("sweep",), seeds=[0, 1], workers=1)
+    result = lm_study.run(toy_study, "toy", parts=("sweep",), seeds=[0, 1], workers=1)
     bad = lm.Run("B", 4, "standard", max(TOY.lrs), 0)
     assert "non-finite" in lm.read_measures(toy_study)[bad.name]["diverged"]
     assert result["best_lr"]["standard"] == min(TOY.lrs)
@@ -387,7 +387,7 @@ sys.path.insert(0, {tests!r})
 from test_lm_study import TOY
 from difftransformer.training.data import prepare
 from difftransformer.errors import Interrupted
-from difftransformer.apps.repro import lm
+from difftransformer.apps.repro import lm, lm_study
 from difftransformer.training.tokenizer import ByteTokenizer
 
 from pathlib import Path
@@ -400,7 +400,7 @@ if __name__ == "__main__":  # spawned workers import this file again
     docs = [f"{{i}} the differential transformer cancels attention noise " * 3 for i in range(40)]
     prepare(docs, ByteTokenizer(), Path(out, "data"), val_every=5, split="documents")
     try:
-        lm.run(out, "toy", parts=("sweep",), seeds=[0], workers=2)
+        lm_study.run(out, "toy", parts=("sweep",), seeds=[0], workers=2)
     except Interrupted as err:
         print(err, file=sys.stderr)
         sys.exit(128 + err.signum)
@@ -440,7 +440,7 @@ def test_quant_study_on_the_pairs_of_a_toy_study(toy_study, tmp_path, monkeypatc
     optional("matplotlib")
     from difftransformer.apps.repro import quant
 
-    lm.run(toy_study, "toy", parts=("sweep", "grid"), seeds=[0, 1], workers=1)
+    lm_study.run(toy_study, "toy", parts=("sweep", "grid"), seeds=[0, 1], workers=1)
     monkeypatch.setitem(quant.SCALES, "cpu", dict(loss_windows=2, outlier_windows=1))
     monkeypatch.setattr(quant, "CALIB_SAMPLES", 4)
     monkeypatch.setattr(quant, "CALIB_CHECK", (2,))

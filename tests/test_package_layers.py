@@ -91,3 +91,87 @@ def _imports_relative_to(path: Path, package: Path) -> list[tuple[int, str]]:
         return imported_modules(path)
     finally:
         PACKAGE = saved
+
+
+def module_edges(path: Path, package: Path | None = None) -> set[str]:
+    """The package's modules that ``path`` imports (function-local imports included), with ``from pkg import sub``
+    resolved to the submodule ``pkg.sub`` where ``sub`` is one (an import of a name from a module stays that module).
+    """
+    package = package or PACKAGE
+    module = ".".join(path.relative_to(package.parent).with_suffix("").parts)
+    base_package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    root = package.parent
+
+    def exists(name: str) -> bool:
+        rel = Path(*name.split("."))
+        return (root / rel).with_suffix(".py").is_file() or (root / rel / "__init__.py").is_file()
+
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                parts = base_package.split(".")
+                parts = parts[: len(parts) - (node.level - 1)]
+                name = ".".join(parts + ([node.module] if node.module else []))
+            else:
+                name = node.module or ""
+            subs = {f"{name}.{alias.name}" for alias in node.names if exists(f"{name}.{alias.name}")}
+            found |= subs or {name}
+    top = package.name
+    return {n for n in found if (n == top or n.startswith(top + ".")) and n != module}
+
+
+def import_cycles(package: Path) -> list[list[str]]:
+    """Every cycle of imports between the package's modules (package ``__init__`` files left out: importing a
+    submodule runs its package first, which is not an edge the modules chose), each once, as a list of modules."""
+    modules = {
+        ".".join(p.relative_to(package.parent).with_suffix("").parts): p
+        for p in package.rglob("*.py")
+        if p.name != "__init__.py"
+    }
+    graph = {m: sorted(e for e in module_edges(p, package) if e in modules) for m, p in modules.items()}
+    cycles, seen = [], set()
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(m: str) -> None:
+        state[m] = 1
+        stack.append(m)
+        for n in graph[m]:
+            if state.get(n) == 1:
+                cycle = stack[stack.index(n) :]
+                key = frozenset(cycle)
+                if key not in seen:
+                    seen.add(key)
+                    cycles.append(cycle + [n])
+            elif n not in state:
+                visit(n)
+        stack.pop()
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m)
+    return cycles
+
+
+def test_no_import_cycle_between_modules():
+    cycles = import_cycles(PACKAGE)
+    assert not cycles, "import cycles (split a module's shared part into one both can import):\n" + "\n".join(
+        " -> ".join(c) for c in cycles
+    )
+
+
+def test_the_cycle_check_finds_a_cycle_through_a_local_import(tmp_path):
+    pkg = tmp_path / "difftransformer"
+    (pkg / "apps").mkdir(parents=True)
+    for init in (pkg / "__init__.py", pkg / "apps" / "__init__.py"):
+        init.write_text("")
+    (pkg / "apps" / "a.py").write_text("from difftransformer.apps import b\n")
+    (pkg / "apps" / "b.py").write_text("def f():\n    from . import c\n")
+    (pkg / "apps" / "c.py").write_text("from difftransformer.apps.a import thing\n")
+    (pkg / "apps" / "d.py").write_text("from difftransformer.apps import a, b\n")  # imports both, no cycle
+    assert import_cycles(pkg) == [["difftransformer.apps.a", "difftransformer.apps.b", "difftransformer.apps.c",
+                                   "difftransformer.apps.a"]]  # fmt: skip

@@ -42,7 +42,7 @@ from difftransformer.errors import InputError, Interrupted, TrainingDiverged
 from difftransformer.fsutil import open_plan, read_json_object, write_text_atomic
 from difftransformer.progress import Progress
 from difftransformer.training import corpus
-from difftransformer.training.config import TrainConfig, device_problem, resume_config
+from difftransformer.training.config import TrainConfig, resume_config
 from difftransformer.training.data import TokenData, eval_windows, is_val_document, prepare, read_manifest
 from difftransformer.training.evaluate import token_losses
 from difftransformer.training.interrupts import StopSignals
@@ -490,55 +490,6 @@ def measure_run(trainer: Trainer, run: Run, scale: Scale, data: Path) -> dict:
         "documents": len(docs),
         "lambda": layer_lambdas(model),
     }
-
-
-def run(
-    out: str | Path,
-    scale: str = "cpu",
-    parts: tuple[str, ...] = PARTS,
-    seeds: list[int] | None = None,
-    workers: int | None = None,
-    steps: int | None = None,
-    corpora: list[str | Path] | None = None,
-) -> dict:
-    """Run (or continue) the study's ``parts`` into ``out`` and write its report; returns the results."""
-    from difftransformer.apps.repro import lm_report
-
-    if scale not in SCALES:
-        raise InputError(f"unknown scale {scale!r}; choose one of {', '.join(SCALES)}")
-    plan = SCALES[scale]
-    if steps is not None:
-        plan = dataclasses.replace(plan, steps=(steps, max(1, steps // 2)), ckpt_every=min(plan.ckpt_every, steps))
-    seeds = list(range(3)) if seeds is None else seeds
-    out = Path(out)
-    corpora = list(DEFAULT_CORPORA if corpora is None else corpora)
-    if device_problem(plan.device) is not None:  # everything here is checked before anything is written
-        raise InputError(
-            f"`scale` {scale} trains on {plan.device!r}, which this machine lacks (no CUDA GPU, or torch is a CPU "
-            "build); use `scale` cpu here"
-        )
-    if not (out / "data" / "manifest.json").is_file():
-        study_documents(corpora, read=False)
-    if "sweep" not in parts:
-        best_lrs(plan, read_measures(out))
-    open_study(out, plan, seeds)
-    data = ensure_data(out, plan, corpora)
-    workers = plan.workers if workers is None else workers
-    for part in PARTS:
-        if part not in parts:
-            continue
-        start = time.perf_counter()
-        if part == "sweep":
-            runs = sweep_runs(plan)
-        else:
-            best = best_lrs(plan, read_measures(out))
-            runs = grid_runs(plan, best, seeds) if part == "grid" else ablation_runs(plan, best, seeds)
-        try:
-            execute(runs, plan, out, data, workers)
-        finally:
-            total = add_time(out, part, time.perf_counter() - start)
-        print(f"difftx repro lm: {part} done, {total / 60:.1f} min of training in all", flush=True)
-    return lm_report.write(out, plan, seeds, read_measures(out))
 
 
 def add_time(out: Path, part: str, seconds: float) -> float:

@@ -16,7 +16,8 @@ where an interrupted study stopped (the same command again):
    thread, interleaved repeats, in ``LONG_TIMING``.
 
 The runs, their measurements and the report live in the same study directory as the short-budget parts (``lm``):
-the same prepared corpus, ``runs/`` and ``measures/``, and one report (``lm_report.write``).
+the same prepared corpus, ``runs/`` and ``measures/``, and one report (``lm_report.write``); the stages run
+from ``lm_study.run_long``.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from difftransformer.core.model import TransformerLM, count_parameters
 from difftransformer.errors import InputError
 from difftransformer.fsutil import open_plan, read_json_object, write_text_atomic
 from difftransformer.training.checkpoint import list_checkpoints, load_checkpoint
-from difftransformer.training.config import device_problem, resume_config
+from difftransformer.training.config import resume_config
 from difftransformer.training.data import TokenData, WindowSampler, eval_windows
 from difftransformer.training.distributed import load_full_state
 from difftransformer.training.loop import Trainer
@@ -424,51 +425,8 @@ def _processor() -> str:
     return platform.processor() or platform.machine()
 
 
-# running -----------------------------------------------------------------------------------------------------------
-def run(
-    out: str | Path,
-    scale: str = "cpu",
-    seeds: list[int] | None = None,
-    workers: int | None = None,
-    steps: int | None = None,
-    corpora: list[str | Path] | None = None,
-) -> dict:
-    """Run (or continue) the long part into ``out`` and write the study's report; returns the results."""
-    from difftransformer.apps.repro import lm_report
-
-    if scale not in PLANS:
-        raise InputError(f"unknown scale {scale!r}; choose one of {', '.join(PLANS)}")
-    plan = PLANS[scale]
-    if steps is not None:
-        plan = dataclasses.replace(plan, steps=(steps, max(1, steps // 4)), ckpt_every=min(plan.ckpt_every, steps))
-    seeds = list(range(3)) if seeds is None else seeds
-    out = Path(out)
-    corpora = list(lm.DEFAULT_CORPORA if corpora is None else corpora)
-    if device_problem(plan.device) is not None:
-        raise InputError(
-            f"`scale` {scale} trains on {plan.device!r}, which this machine lacks (no CUDA GPU, or torch is a CPU "
-            "build); use `scale` cpu here"
-        )
-    if not (out / "data" / "manifest.json").is_file():
-        lm.study_documents(corpora, read=False)
-    open_long(out, plan, seeds)
-    data = lm.ensure_data(out, plan, corpora)
-    workers = plan.workers if workers is None else workers
-    plan = decided_plan(plan, out, data, seeds)
-    stages = (("long-tune", lambda: _tune(plan, out, data, workers)),
-              ("long", lambda: _long(plan, out, data, workers, seeds)),
-              ("long-timing", lambda: _timing(plan, out, data, seeds)))  # fmt: skip
-    for name, stage in stages:
-        start = time.perf_counter()
-        try:
-            stage()
-        finally:
-            total = lm.add_time(out, name, time.perf_counter() - start)
-        print(f"difftx repro lm: {name} done, {total / 60:.1f} min in all", flush=True)
-    return lm_report.write_study(out)
-
-
-def _tune(plan: LongScale, out: Path, data: Path, workers: int) -> None:
+# the stages (lm_study.run_long runs them) ------------------------------------------------------------------
+def tune_stage(plan: LongScale, out: Path, data: Path, workers: int) -> None:
     while True:
         state = tuning(plan, lm.read_measures(out))
         todo = [r for r in tune_runs(plan, state) if r.name not in lm.read_measures(out)]
@@ -477,12 +435,12 @@ def _tune(plan: LongScale, out: Path, data: Path, workers: int) -> None:
         lm.execute(todo, plan, out, data, workers)
 
 
-def _long(plan: LongScale, out: Path, data: Path, workers: int, seeds: list[int]) -> None:
+def long_stage(plan: LongScale, out: Path, data: Path, workers: int, seeds: list[int]) -> None:
     rates = best_rates(tuning(plan, lm.read_measures(out)))
     lm.execute(long_runs(plan, rates, seeds), plan, out, data, workers)
 
 
-def _timing(plan: LongScale, out: Path, data: Path, seeds: list[int]) -> None:
+def timing_stage(plan: LongScale, out: Path, data: Path, seeds: list[int]) -> None:
     path = out / LONG_TIMING
     if not path.is_file():
         print("timing every variant's training step, one at a time (keep the machine otherwise idle)", flush=True)

@@ -64,13 +64,13 @@ def run(
             source = Path(models) if models else (out / "lm" if what == "all" else None)
             module.run(target, scale, seed_list, workers or 2, steps, models=source)
         elif name == "lm":  # the short-budget parts (all three by default), then the long part when asked for
+            from difftransformer.apps.repro import lm_study
+
             short = tuple(p for p in parts or module.PARTS if p != "long")
             if short:
-                module.run(target, scale, short, seed_list, workers, steps, corpora)
+                lm_study.run(target, scale, short, seed_list, workers, steps, corpora)
             if parts and "long" in parts:
-                from difftransformer.apps.repro import lm_long
-
-                lm_long.run(target, scale, seed_list, workers, steps, corpora)
+                lm_study.run_long(target, scale, seed_list, workers, steps, corpora)
         else:
             source = Path(models) if models and what == name else None
             module.run(target, scale, seed_list, workers or 2, steps, logit_bits=logit_bits, models=source)
