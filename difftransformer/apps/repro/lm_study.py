@@ -25,21 +25,8 @@ def run(
     corpora: list[str | Path] | None = None,
 ) -> dict:
     """Run (or continue) the study's ``parts`` into ``out`` and write its report; returns the results."""
-    if scale not in lm.SCALES:
-        raise InputError(f"unknown scale {scale!r}; choose one of {', '.join(lm.SCALES)}")
-    plan = lm.SCALES[scale]
-    if steps is not None:
-        plan = dataclasses.replace(plan, steps=(steps, max(1, steps // 2)), ckpt_every=min(plan.ckpt_every, steps))
+    plan, out, corpora = _checked(lm.SCALES, scale, steps, 2, out, corpora)  # before anything is written
     seeds = list(range(3)) if seeds is None else seeds
-    out = Path(out)
-    corpora = list(lm.DEFAULT_CORPORA if corpora is None else corpora)
-    if device_problem(plan.device) is not None:  # everything here is checked before anything is written
-        raise InputError(
-            f"`scale` {scale} trains on {plan.device!r}, which this machine lacks (no CUDA GPU, or torch is a CPU "
-            "build); use `scale` cpu here"
-        )
-    if not (out / "data" / "manifest.json").is_file():
-        lm.study_documents(corpora, read=False)
     if "sweep" not in parts:
         lm.best_lrs(plan, lm.read_measures(out))
     lm.open_study(out, plan, seeds)
@@ -71,21 +58,8 @@ def run_long(
     corpora: list[str | Path] | None = None,
 ) -> dict:
     """Run (or continue) the long part into ``out`` and write the study's report; returns the results."""
-    if scale not in lm_long.PLANS:
-        raise InputError(f"unknown scale {scale!r}; choose one of {', '.join(lm_long.PLANS)}")
-    plan = lm_long.PLANS[scale]
-    if steps is not None:
-        plan = dataclasses.replace(plan, steps=(steps, max(1, steps // 4)), ckpt_every=min(plan.ckpt_every, steps))
+    plan, out, corpora = _checked(lm_long.PLANS, scale, steps, 4, out, corpora)
     seeds = list(range(3)) if seeds is None else seeds
-    out = Path(out)
-    corpora = list(lm.DEFAULT_CORPORA if corpora is None else corpora)
-    if device_problem(plan.device) is not None:
-        raise InputError(
-            f"`scale` {scale} trains on {plan.device!r}, which this machine lacks (no CUDA GPU, or torch is a CPU "
-            "build); use `scale` cpu here"
-        )
-    if not (out / "data" / "manifest.json").is_file():
-        lm.study_documents(corpora, read=False)
     lm_long.open_long(out, plan, seeds)
     data = lm.ensure_data(out, plan, corpora)
     workers = plan.workers if workers is None else workers
@@ -101,3 +75,23 @@ def run_long(
             total = lm.add_time(out, name, time.perf_counter() - start)
         print(f"difftx repro lm: {name} done, {total / 60:.1f} min in all", flush=True)
     return lm_report.write_study(out)
+
+
+def _checked(plans: dict, scale: str, steps: int | None, short: int, out, corpora):
+    """The scale's plan (``steps`` overriding its budget, the short budget ``steps // short``), the study directory
+    and the corpora, after the checks that need nothing written: the scale, its device, the corpora."""
+    if scale not in plans:
+        raise InputError(f"unknown scale {scale!r}; choose one of {', '.join(plans)}")
+    plan = plans[scale]
+    if steps is not None:
+        plan = dataclasses.replace(plan, steps=(steps, max(1, steps // short)), ckpt_every=min(plan.ckpt_every, steps))
+    out = Path(out)
+    corpora = list(lm.DEFAULT_CORPORA if corpora is None else corpora)
+    if device_problem(plan.device) is not None:
+        raise InputError(
+            f"`scale` {scale} trains on {plan.device!r}, which this machine lacks (no CUDA GPU, or torch is a CPU "
+            "build); use `scale` cpu here"
+        )
+    if not (out / "data" / "manifest.json").is_file():
+        lm.study_documents(corpora, read=False)
+    return plan, out, corpora
