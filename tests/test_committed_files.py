@@ -3,7 +3,8 @@
 Reports, benchmark results, logs and configs are read on other machines; a path such as ``/tmp/run3`` or a home
 directory in them points nowhere there (and says where someone worked). Paths in artifacts are relative to their own
 directory or to the repository. The fixtures under tests/fixtures are exempt (they may hold such paths on purpose),
-and so are the few lines below that name a scratch directory as a script's overridable default.
+so is this file (its own cases are such paths), and so are the few lines below that name a scratch directory as a
+script's overridable default.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ def committed_text_files() -> list[str]:
         done = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, text=True, check=True)
     except (OSError, subprocess.CalledProcessError):
         pytest.skip("not a git checkout (an unpacked sdist): the committed files are unknown")
-    return [name for name in done.stdout.split("\0") if name and not name.startswith("tests/fixtures/")]
+    this = Path(__file__).resolve().relative_to(ROOT).as_posix()
+    return [n for n in done.stdout.split("\0") if n and not n.startswith("tests/fixtures/") and n != this]
 
 
 def machine_paths(name: str, text: str) -> list[str]:
