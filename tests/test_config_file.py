@@ -97,6 +97,11 @@ def test_print_config_round_trips_and_says_what_is_unset(tmp_path, capsys):
         ("run.yaml", "- 1\n- 2\n", "run.yaml must hold a mapping of settings, got list"),
         ("run.json", "[1]", "run.json must hold a JSON object, got list"),
         ("run.ini", "lr=1", "unknown format '.ini'; name the file .toml, .yaml, .yml or .json"),
+        (
+            "run.toml",
+            'data = "d"\ninit_from = "r"\npreset = "small"\n',
+            "run.toml: preset cannot be given with init_from: the model",
+        ),
     ],
 )
 def test_errors_name_the_file_and_its_key(tmp_path, capsys, monkeypatch, name, text, message):

@@ -278,12 +278,13 @@ def _train_config(args: argparse.Namespace, settings: dict, flags: set[str]):
         return resume_config(args.resume, out=out, **settings), True
     # A model from init_from: a flag that sets it is refused, and a file's preset or model (a run started so records
     # neither; the trainer checks a file's attention against the model's)
-    clash = [n for n in ("preset", "attention", "model") if n in flags]
-    clash = clash or [n for n in ("preset", "model") if settings.get(n)]
+    clash = [f"`{n}`" for n in ("preset", "attention", "model") if n in flags]
+    clash = clash or [f"{args.config}: {n}" for n in ("preset", "model") if settings.get(n)]
     if settings.get("init_from") and clash:
+        with_ = "`init_from`" if clash[0].startswith("`") else "init_from"  # a flag's name, or the file's key
         raise InputError(
-            f"`{clash[0]}` cannot be given with `init_from`: the model (its config and weights) comes from "
-            f"{settings['init_from']}; drop `{clash[0]}`"
+            f"{clash[0]} cannot be given with {with_}: the model (its config and weights) comes from "
+            f"{settings['init_from']}; drop it"
         )
     if not settings.get("data"):
         if not args.print_config:

@@ -4,7 +4,8 @@ writes the effective config as TOML.
 The keys are the flags' names (``lr``, ``batch_size`` or ``batch-size``), and ``model`` is a table of ModelConfig
 overrides; ``betas``, which has no flag, may be given too. A key set to null (JSON, YAML) takes the value None, as
 the run's saved ``train_config.json`` records an unset field: that file is such a config, and starts a new run with
-the same recipe.
+the same recipe. Paths in a file (``data``, ``out``, ``init_from``) are read as given, relative to the working
+directory, as the flags' are.
 """
 
 from __future__ import annotations
