@@ -29,13 +29,13 @@ d_model = 64
 """
 YAML = """
 data: data/here
-lr: 0.002
+lr: 2e-3
 batch-size: 8
 betas: [0.9, 0.95]
 model:
   n_layers: 2
   d_model: 64
-"""
+"""  # 2e-3 without a dot: a string in YAML 1.1 (PyYAML), read as the number users mean
 
 
 def printed(capsys, *argv: str) -> dict:

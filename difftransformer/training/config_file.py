@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,8 @@ else:  # pragma: no cover - Python 3.10 reads TOML with the backport (a dependen
 
 FORMATS = {".toml": "TOML", ".yaml": "YAML", ".yml": "YAML", ".json": "JSON"}
 KEYS = tuple(f.name for f in dataclasses.fields(TrainConfig))
+PATHS = ("data", "out", "init_from")  # read as written
+_EXPONENT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 
 
 def read_config_file(path: str | Path) -> dict[str, Any]:
@@ -40,8 +43,9 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
             ".json"
         )
     if not path.is_file():
+        problem = "is a directory" if path.is_dir() else "does not exist"
         raise FileNotFoundError(
-            f"`config` {path} does not exist; give a TOML, YAML or JSON file (difftx train --print-config writes one)"
+            f"`config` {path} {problem}; give a TOML, YAML or JSON file (difftx train --print-config writes one)"
         )
     data = _parse(read_text(path), kind, str(path))
     fields: dict[str, Any] = {}
@@ -73,7 +77,18 @@ def _parse(text: str, kind: str, where: str) -> dict[str, Any]:
         raise InputError(f"{where} is not valid YAML ({' '.join(str(err).split())})") from None
     if not isinstance(data, dict):
         raise InputError(f"{where} must hold a mapping of settings, got {type(data).__name__}")
-    return data
+    return {k: v if str(k).replace("-", "_") in PATHS else _yaml_numbers(v) for k, v in data.items()}
+
+
+def _yaml_numbers(value: Any) -> Any:
+    """PyYAML reads YAML 1.1, where ``3e-4`` (no dot) is a string, not a number: such strings become floats."""
+    if isinstance(value, str) and _EXPONENT.fullmatch(value.strip()):
+        return float(value)
+    if isinstance(value, dict):
+        return {k: _yaml_numbers(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_yaml_numbers(v) for v in value]
+    return value
 
 
 def file_error(path: str | Path, err: ConfigError) -> InputError:
