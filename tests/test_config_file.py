@@ -3,6 +3,7 @@ errors naming the file and its key, and a run's saved train_config.json as a con
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -166,15 +167,8 @@ def test_the_demo_configs_are_the_demo_s_settings():
 
     for kind in ("diff", "standard"):
         fields = read_config_file(ROOT / "configs" / f"demo-{kind}.toml")
-        assert dataclasses_dict(TrainConfig(**fields, out="o")) == dataclasses_dict(
-            demo_config(kind, data=fields["data"], out="o")
-        )
-
-
-def dataclasses_dict(cfg: TrainConfig) -> dict:
-    import dataclasses
-
-    return dataclasses.asdict(cfg)
+        expected = demo_config(kind, data=fields["data"], out="o")
+        assert dataclasses.asdict(TrainConfig(**fields, out="o")) == dataclasses.asdict(expected)
 
 
 @pytest.mark.slow

@@ -32,22 +32,29 @@ def layer_of(module: str) -> str:
     raise AssertionError(f"{module} belongs to no layer; place it in one of {LAYERS}")
 
 
-def imported_modules(path: Path) -> list[tuple[int, str]]:
-    module = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts)
-    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+def import_statements(path: Path, package: Path) -> list[tuple[int, str, list[str]]]:
+    """(line, imported module, names imported from it) of every import in ``path``, function-local ones included,
+    relative imports resolved against the module's package; ``package`` is the package's directory."""
+    module = ".".join(path.relative_to(package.parent).with_suffix("").parts)
+    own = module if path.name == "__init__.py" else module.rpartition(".")[0]
     found = []
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
-            found += [(node.lineno, alias.name) for alias in node.names]
+            found += [(node.lineno, alias.name, []) for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
             if node.level:  # relative: resolve against this module's package
-                base = package.split(".")
+                base = own.split(".")
                 base = base[: len(base) - (node.level - 1)]
                 name = ".".join(base + ([node.module] if node.module else []))
             else:
                 name = node.module or ""
-            found.append((node.lineno, name))
-    return [(line, name) for line, name in found if name == "difftransformer" or name.startswith("difftransformer.")]
+            found.append((node.lineno, name, [alias.name for alias in node.names]))
+    top = package.name
+    return [(line, name, names) for line, name, names in found if name == top or name.startswith(top + ".")]
+
+
+def imported_modules(path: Path) -> list[tuple[int, str]]:
+    return [(line, name) for line, name, _ in import_statements(path, PACKAGE)]
 
 
 MODULES = sorted(
@@ -93,39 +100,25 @@ def _imports_relative_to(path: Path, package: Path) -> list[tuple[int, str]]:
         PACKAGE = saved
 
 
-def module_edges(path: Path, package: Path | None = None) -> set[str]:
-    """The package's modules that ``path`` imports (function-local imports included), with ``from pkg import sub``
-    resolved to the submodule ``pkg.sub`` where ``sub`` is one (an import of a name from a module stays that module).
-    """
-    package = package or PACKAGE
+def module_edges(path: Path, package: Path) -> set[str]:
+    """The package's modules that ``path`` imports, with ``from pkg import sub`` resolved to the submodule
+    ``pkg.sub`` where ``sub`` is one (an import of a name from a module stays that module)."""
     module = ".".join(path.relative_to(package.parent).with_suffix("").parts)
-    base_package = module if path.name == "__init__.py" else module.rpartition(".")[0]
-    root = package.parent
 
     def exists(name: str) -> bool:
-        rel = Path(*name.split("."))
-        return (root / rel).with_suffix(".py").is_file() or (root / rel / "__init__.py").is_file()
+        rel = package.parent / Path(*name.split("."))
+        return rel.with_suffix(".py").is_file() or (rel / "__init__.py").is_file()
 
     found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            found |= {alias.name for alias in node.names}
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                parts = base_package.split(".")
-                parts = parts[: len(parts) - (node.level - 1)]
-                name = ".".join(parts + ([node.module] if node.module else []))
-            else:
-                name = node.module or ""
-            subs = {f"{name}.{alias.name}" for alias in node.names if exists(f"{name}.{alias.name}")}
-            found |= subs or {name}
-    top = package.name
-    return {n for n in found if (n == top or n.startswith(top + ".")) and n != module}
+    for _, name, names in import_statements(path, package):
+        found |= {f"{name}.{n}" for n in names if exists(f"{name}.{n}")} or {name}
+    return found - {module}
 
 
 def import_cycles(package: Path) -> list[list[str]]:
-    """Every cycle of imports between the package's modules (package ``__init__`` files left out: importing a
-    submodule runs its package first, which is not an edge the modules chose), each once, as a list of modules."""
+    """Cycles of imports between the package's modules, as lists of modules, each found once by a depth-first
+    search: none exactly when the imports have no cycle (a graph with cycles may have more than are listed). Package
+    ``__init__`` files are left out: importing a submodule runs its package first, an edge no module chose."""
     modules = {
         ".".join(p.relative_to(package.parent).with_suffix("").parts): p
         for p in package.rglob("*.py")
