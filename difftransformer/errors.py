@@ -23,6 +23,8 @@ OPTIONAL_EXTRA = {
     "accelerate": "eval",
     "triton": "triton",
     "yaml": "yaml",
+    "tensorboard": "track",
+    "wandb": "track",
 }
 
 

@@ -24,7 +24,7 @@ def optional(module: str):
     extra, so nothing is skipped there unseen)."""
     if os.environ.get("DIFFTX_REQUIRE_OPTIONAL") == "1":
         return importlib.import_module(module)
-    extra = OPTIONAL_EXTRA[module]
+    extra = OPTIONAL_EXTRA[module.split(".")[0]]
     return pytest.importorskip(module, reason=f"needs {module}: pip install 'difftransformer[{extra}]'")
 
 

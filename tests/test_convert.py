@@ -32,7 +32,7 @@ def test_run_to_hf_loads_in_plain_transformers_and_generates_the_same(prepared, 
     assert main(["convert", "--run", str(run), "--to", "hf", "--out", str(tmp_path / "hf")]) == 0
     said = capsys.readouterr().out
     load = "load it with transformers.AutoModelForCausalLM.from_pretrained"
-    assert said == f"{run} -> {tmp_path / 'hf'}: a {arch} directory; {load}\n"
+    assert said == f"{run} -> {tmp_path / 'hf'}: a {arch} directory with a model card (README.md); {load}\n"
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")  # no custom code
     hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
     assert type(hf_model).__name__ == arch

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from conftest import optional
+from conftest import metric_rows, optional
 
 from difftransformer.apps.repro import lm, lm_measure, lm_report, lm_study
 from difftransformer.apps.repro.scaling import PowerLaw, fit_power_law, fraction_needed
@@ -480,3 +480,24 @@ def test_quant_study_needs_a_finished_pair(toy_study, tmp_path):
         quant.run(tmp_path / "q", "cpu", [0], 1, models=toy_study)
     with pytest.raises(FileNotFoundError, match="holds no language-model study"):
         quant.run(tmp_path / "q", "cpu", [0], 1, models=tmp_path)
+
+
+@pytest.mark.slow
+def test_the_study_writes_one_tensorboard_run_per_model(toy_study):
+    from test_tracking import expected_scalars, same, tensorboard_scalars
+
+    lm_study.run(toy_study, "toy", parts=("sweep",), seeds=[0, 1], workers=1, log_to="jsonl,tensorboard")
+    runs = sorted((toy_study / "runs").iterdir())
+    assert [r.name for r in runs] == sorted(r.name for r in lm.sweep_runs(TOY))
+    for run in runs:
+        same(tensorboard_scalars(run / "tensorboard"), expected_scalars(metric_rows(run)), rel=1e-6)
+
+
+def test_log_to_is_checked_before_a_study_starts(tmp_path):
+    from difftransformer.apps.repro import suite
+
+    with pytest.raises(InputError, match="log_to` must be a comma-separated list"):
+        suite.run("lm", tmp_path / "lm", log_to="tensorbaord")
+    with pytest.raises(InputError, match="log_to` applies to lm"):
+        suite.run("needle", tmp_path / "needle", log_to="tensorboard")
+    assert not any(tmp_path.iterdir())

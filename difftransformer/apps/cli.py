@@ -398,10 +398,11 @@ def _convert(args: argparse.Namespace) -> int:
     if bool(args.run) == bool(args.from_hf):
         raise InputError("give either --run RUN --to hf, or --from-hf DIR")
     if args.run:
-        out = run_to_hf(args.run, args.out)
+        out = run_to_hf(args.run, args.out, args.license, args.dataset)
         arch = read_json_object(out / "config.json")["architectures"][0]
         print(
-            f"{args.run} -> {out}: a {arch} directory; load it with transformers.AutoModelForCausalLM.from_pretrained"
+            f"{args.run} -> {out}: a {arch} directory with a model card (README.md); load it with "
+            "transformers.AutoModelForCausalLM.from_pretrained"
         )
     else:
         out = hf_to_run(args.from_hf, args.out, attention=args.attention)
@@ -627,6 +628,12 @@ def _convert_command(sub) -> None:
     conv.add_argument("--from-hf", help="a DiffLlama or Llama save_pretrained directory")
     conv.add_argument("--attention", choices=["diff"], help="with --from-hf of a Llama: build a DIFF model from it")
     conv.add_argument("--out", required=True, help="the new directory (a Hugging Face directory, or a run)")
+    conv.add_argument("--license", help="--to hf: the license in the model card's front matter (a Hub id, e.g. mit)")
+    conv.add_argument(
+        "--dataset",
+        action="append",
+        help="--to hf: a Hub dataset id the model was trained on, for the model card's front matter (repeat for more)",
+    )
 
 
 def _eval_command(sub) -> None:
@@ -756,6 +763,12 @@ def _repro_command(sub) -> None:
         help="lm: corpus directories used besides the built-in one (default data/shakespeare data/sotu, made by "
         "`difftx data fetch`)",
     )
+    repro.add_argument(
+        "--log-to",
+        default="jsonl",
+        help="lm: where each model logs its metrics, as for difftx train (e.g. jsonl,tensorboard: one TensorBoard run "
+        "per model, tensorboard --logdir OUT/runs)",
+    )
 
 
 def _analyze_command(sub) -> None:
@@ -791,7 +804,7 @@ def _repro(args: argparse.Namespace) -> int:
     parts = tuple(args.part) if args.part else None
     report = suite.run(
         args.what, out, args.scale, args.seeds, args.workers, args.steps, args.models, parts, args.corpora,
-        args.logit_bits,
+        args.logit_bits, args.log_to,
     )  # fmt: skip
     print(f"report: {report}")
     return 0

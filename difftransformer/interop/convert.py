@@ -21,17 +21,26 @@ from pathlib import Path
 from difftransformer.errors import InputError
 from difftransformer.fsutil import read_json_object, write_new_dir, write_text_atomic
 from difftransformer.interop.hf import calibrate_subln, diff_from_standard, from_hf, rope_entries, to_hf
-from difftransformer.training.runs import load_run, save_run
+from difftransformer.interop.model_card import CARD, model_card, training_record
+from difftransformer.training.checkpoint import PREFIX, list_checkpoints
+from difftransformer.training.runs import load_run, names_checkpoint, save_run
 from difftransformer.training.tokenizer import EOT, HF_FILE, ByteTokenizer, HFTokenizer, read_tokenizer_file
 
 ARCHITECTURES = ("DiffLlamaForCausalLM", "LlamaForCausalLM")
 
 
-def run_to_hf(run_dir: str | Path, out_dir: str | Path) -> Path:
-    """Write the run's newest weights and its tokenizer as a Hugging Face directory."""
+def run_to_hf(
+    run_dir: str | Path, out_dir: str | Path, license: str | None = None, datasets: list[str] | None = None
+) -> Path:
+    """Write the run's newest weights (or those of the checkpoint ``run_dir`` names) and its tokenizer as a Hugging
+    Face directory, with a model card (README.md; ``license`` and the Hub ``datasets`` go into its front matter)."""
     from transformers import PreTrainedTokenizerFast
 
     model, tokenizer = load_run(run_dir)
+    run, checkpoint = Path(run_dir), None
+    if names_checkpoint(run):
+        run, checkpoint = run.parent.parent, run
+    step = int((checkpoint or list_checkpoints(run)[-1]).name.removeprefix(PREFIX))
     stops = tokenizer.stop_ids
     hf_model = to_hf(
         model,
@@ -45,10 +54,18 @@ def run_to_hf(run_dir: str | Path, out_dir: str | Path) -> Path:
         special["bos_token"] = tokenizer.bos
     hf_tok = PreTrainedTokenizerFast(tokenizer_object=tokenizer.to_hf(), **special)
 
+    architecture = type(hf_model).__name__
+    params = hf_model.num_parameters()
+    embeddings = {id(m.weight): m.weight.numel() for m in (hf_model.get_input_embeddings(), hf_model.lm_head)}
+    record = training_record(run, step)
+    card = model_card(model, architecture, (params, params - sum(embeddings.values())), record, Path(out_dir).name,
+                      license, datasets)  # fmt: skip
+
     def write(tmp: Path) -> None:
         hf_model.save_pretrained(tmp, safe_serialization=True)
         hf_tok.save_pretrained(tmp)
         _portable(tmp, model.config)
+        (tmp / CARD).write_text(card)
 
     write_new_dir(out_dir, "output directory", write)
     return Path(out_dir)

@@ -14,6 +14,7 @@ from difftransformer.core.config import ATTENTION_KINDS, PRESETS, ModelConfig
 from difftransformer.errors import ConfigError, Fields, InputError
 from difftransformer.fsutil import parse_json_object, read_text
 from difftransformer.training.distributed import PARALLEL_MODES
+from difftransformer.training.tracking import parse_sinks
 
 # What a resume may change: the length of the run, where its data lies, and how it runs (none of these changes the
 # optimisation up to the step it stopped at). Everything else is part of the run's recipe.
@@ -28,6 +29,7 @@ RESUMABLE = (
     "checkpoint_activations",
     "eval_interval",
     "log_interval",
+    "log_to",
     "ckpt_interval",
     "keep_last",
     "max_nonfinite_steps",
@@ -81,6 +83,14 @@ class TrainConfig:
     eval_interval: int = field(default=200, metadata=_help("steps between validations"))
     eval_tokens: int = field(default=1 << 16, metadata=_help("validation tokens per evaluation"))
     log_interval: int = field(default=10, metadata=_help("steps between rows of metrics.jsonl"))
+    log_to: str = field(
+        default="jsonl",
+        metadata=_help(
+            "where the metrics go, comma-separated: jsonl (RUN/metrics.jsonl, always written), tensorboard "
+            "(RUN/tensorboard), wandb (RUN/wandb, offline unless WANDB_MODE is set); tensorboard and wandb need the "
+            "[track] extra"
+        ),
+    )
     ckpt_interval: int = field(default=500, metadata=_help("steps between checkpoints"))
     keep_last: int = field(default=3, metadata=_help("checkpoints kept, 0 for all"))
     seed: int = field(default=0, metadata=_help("seed of the initialisation and the data order"))
@@ -141,6 +151,12 @@ class TrainConfig:
         )
         for name in ("eval_interval", "log_interval", "ckpt_interval"):
             check.integer(name, 1, 1 << 40)
+        if isinstance(self.log_to, (list, tuple)) and all(isinstance(name, str) for name in self.log_to):
+            self.log_to = ",".join(self.log_to)  # a list in a config file
+        sinks = parse_sinks(self.log_to)
+        if isinstance(sinks, str):
+            check.fail("log_to", sinks)
+        self.log_to = ",".join(sinks)
         check.integer("eval_tokens", 1, 1 << 40)
         check.integer("keep_last", 0, 1 << 20)
         check.integer("seed", 0, (1 << 63) - 1)

@@ -79,6 +79,7 @@ from difftransformer.training.step import (
     use_tf32,
 )
 from difftransformer.training.tokenizer import load_tokenizer
+from difftransformer.training.tracking import check_available, open_sinks, parse_sinks
 
 __all__ = ["TrainConfig", "Trainer", "resume_config", "train"]
 
@@ -111,6 +112,7 @@ class Trainer:
         self.updated = False  # whether a step of this trainer has changed the weights (all skipped: diverged)
         self.probe_best = math.inf  # the lowest probe loss of the run so far (training/health.py)
         self._shown_loss: float | None = None  # the latest training loss read, for the progress line
+        self.sinks: list = []  # where metrics go besides metrics.jsonl (training/tracking.py), on the main process
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         try:
@@ -122,6 +124,8 @@ class Trainer:
 
     def _setup(self, resume: bool) -> None:
         cfg = self.cfg
+        if self.world.is_main:
+            check_available(parse_sinks(cfg.log_to))
         if resume:
             self._open_existing_run()
         elif self.run_dir.exists() and is_unstarted_run(self.run_dir):
@@ -200,6 +204,8 @@ class Trainer:
             self._write_train_config()
         else:
             self._start_run_dir()
+        if self.world.is_main:
+            self.sinks = open_sinks(parse_sinks(cfg.log_to), self.run_dir, self._metric_rows(), self._recipe())
 
     # run directory -------------------------------------------------------------------------------------------
     def _start_run_dir(self) -> None:
@@ -337,20 +343,32 @@ class Trainer:
             kept = "".join(r + "\n" for r, step in steps if step is not None and step <= self.step_idx)
             write_text_atomic(metrics, kept)
 
+    def _metric_rows(self) -> list[dict]:
+        """The rows of metrics.jsonl."""
+        lines = (self.run_dir / METRICS).read_text(errors="replace").splitlines()
+        return [json.loads(line) for line in lines if line.strip()]
+
     def _remove_failed_start(self) -> bool:
         """A run that fails before its first checkpoint leaves nothing behind in a directory it created; True when
         it removed the directory."""
         if self.created_dir and self.saved_step is None and self.world.is_main:
+            self._close_sinks()
             shutil.rmtree(self.run_dir, ignore_errors=True)
             self.created_dir = False
             return True
         return False
 
     def close(self) -> None:
-        """Release the run directory (another trainer may then resume it)."""
+        """Close the metric sinks and release the run directory (another trainer may then resume it)."""
+        self._close_sinks()
         if self.lock is not None:
             self.lock.release()
             self.lock = None
+
+    def _close_sinks(self) -> None:
+        sinks, self.sinks = self.sinks, []
+        for sink in sinks:
+            sink.close()
 
     def _note(self, text: str) -> None:
         if self.world.is_main:
@@ -393,6 +411,8 @@ class Trainer:
         if self.world.is_main:
             with open(self.run_dir / METRICS, "a") as f:
                 f.write(json.dumps(row) + "\n")
+            for sink in self.sinks:
+                sink.write(row)
 
     # training ------------------------------------------------------------------------------------------------
     def train_step(self) -> StepResult:

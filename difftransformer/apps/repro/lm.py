@@ -180,7 +180,7 @@ class Run:
         options = scale.model_options(self.variant)
         return dict(d_model=d_model, n_layers=n_layers, n_heads=n_heads, max_seq_len=scale.seq_len, **options)
 
-    def train_config(self, scale: Scale, data: Path, out: Path) -> TrainConfig:
+    def train_config(self, scale: Scale, data: Path, out: Path, log_to: str = "jsonl") -> TrainConfig:
         return TrainConfig(
             data=str(data),
             out=str(out),
@@ -201,6 +201,7 @@ class Run:
             seed=self.seed,
             device=scale.device,
             threads=scale.threads,
+            log_to=log_to,
         )
 
 
@@ -312,14 +313,15 @@ def read_measures(out: Path) -> dict[str, dict]:
     return found
 
 
-def execute(runs: list[Run], scale: Scale, out: Path, data: Path, workers: int) -> None:
-    """Train (or resume) and measure every run not measured yet, ``workers`` at a time, the costliest first."""
+def execute(runs: list[Run], scale: Scale, out: Path, data: Path, workers: int, log_to: str = "jsonl") -> None:
+    """Train (or resume) and measure every run not measured yet, ``workers`` at a time, the costliest first, each
+    logging its metrics to ``log_to`` (TrainConfig.log_to: one TensorBoard run per model under out/runs)."""
     done = read_measures(out)
     todo = sorted({r for r in runs if r.name not in done}, key=lambda r: -_cost(r, scale))
     if not todo:
         return
     print(f"{len(todo)} runs to train ({len(set(runs)) - len(todo)} done), {workers} at a time", flush=True)
-    jobs = [(r, scale, str(data), str(out)) for r in todo]
+    jobs = [(r, scale, str(data), str(out), log_to) for r in todo]
     dirs = [out / "runs" / r.name for r in todo]
     progress = Progress(sum(r.steps for r in todo), f"repro lm: {len(todo)} runs")
     progress.begin(sum(map(_trained_steps, dirs)))
@@ -384,11 +386,11 @@ def _run_processes(jobs: list[tuple], workers: int, out: Path, progress: Progres
         raise InputError(message) if code == 2 else RuntimeError(message)
 
 
-def _job_process(run: Run, scale: Scale, data: str, out: str) -> None:
+def _job_process(run: Run, scale: Scale, data: str, out: str, log_to: str) -> None:
     """A spawned process's job: exit 0 when measured, 2 for a user error, 128 + signal when interrupted."""
     os.setsid()
     try:
-        _train_and_measure(run, scale, data, out)
+        _train_and_measure(run, scale, data, out, log_to)
     except Interrupted as err:
         print(f"{run.name}: {err}", file=sys.stderr, flush=True)
         sys.exit(128 + err.signum)
@@ -407,7 +409,7 @@ def _cost(run: Run, scale: Scale) -> float:
     return run.steps * per_token * (1.4 if scale.attention(run.variant) == "diff" else 1.0)
 
 
-def _train_and_measure(run: Run, scale: Scale, data: str, out: str) -> dict:
+def _train_and_measure(run: Run, scale: Scale, data: str, out: str, log_to: str = "jsonl") -> dict:
     """Train the run to its end (resuming it when it was started), then measure it. Its seconds (training and
     measuring) are added up over the invocations that trained it in ``RUN_SECONDS`` (an invocation killed outright
     records none; its steps are trained again and counted in the next)."""
@@ -416,7 +418,10 @@ def _train_and_measure(run: Run, scale: Scale, data: str, out: str) -> dict:
     out_dir = Path(out)
     run_dir = out_dir / "runs" / run.name
     resume = (run_dir / TRAIN_CONFIG).is_file()
-    cfg = resume_config(run_dir, data=data) if resume else run.train_config(scale, Path(data), run_dir)
+    if resume:
+        cfg = resume_config(run_dir, data=data, log_to=log_to)
+    else:
+        cfg = run.train_config(scale, Path(data), run_dir, log_to)
     trainer = Trainer(cfg, resume=resume, quiet=True)
     first, start = trainer.step_idx, time.perf_counter()
     try:

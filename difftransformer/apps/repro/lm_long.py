@@ -426,18 +426,18 @@ def _processor() -> str:
 
 
 # the stages (lm_study.run_long runs them) ------------------------------------------------------------------
-def tune_stage(plan: LongScale, out: Path, data: Path, workers: int) -> None:
+def tune_stage(plan: LongScale, out: Path, data: Path, workers: int, log_to: str = "jsonl") -> None:
     while True:
         state = tuning(plan, lm.read_measures(out))
         todo = [r for r in tune_runs(plan, state) if r.name not in lm.read_measures(out)]
         if not todo:
             return
-        lm.execute(todo, plan, out, data, workers)
+        lm.execute(todo, plan, out, data, workers, log_to)
 
 
-def long_stage(plan: LongScale, out: Path, data: Path, workers: int, seeds: list[int]) -> None:
+def long_stage(plan: LongScale, out: Path, data: Path, workers: int, seeds: list[int], log_to: str = "jsonl") -> None:
     rates = best_rates(tuning(plan, lm.read_measures(out)))
-    lm.execute(long_runs(plan, rates, seeds), plan, out, data, workers)
+    lm.execute(long_runs(plan, rates, seeds), plan, out, data, workers, log_to)
 
 
 def timing_stage(plan: LongScale, out: Path, data: Path, seeds: list[int]) -> None:

@@ -23,8 +23,10 @@ def run(
     workers: int | None = None,
     steps: int | None = None,
     corpora: list[str | Path] | None = None,
+    log_to: str = "jsonl",
 ) -> dict:
-    """Run (or continue) the study's ``parts`` into ``out`` and write its report; returns the results."""
+    """Run (or continue) the study's ``parts`` into ``out`` and write its report; returns the results. Each model's
+    metrics go to ``log_to`` (TrainConfig.log_to) in its run directory under out/runs."""
     plan, out, corpora = _checked(lm.SCALES, scale, steps, 2, out, corpora)  # before anything is written
     seeds = list(range(3)) if seeds is None else seeds
     if "sweep" not in parts:
@@ -42,7 +44,7 @@ def run(
             best = lm.best_lrs(plan, lm.read_measures(out))
             runs = lm.grid_runs(plan, best, seeds) if part == "grid" else lm.ablation_runs(plan, best, seeds)
         try:
-            lm.execute(runs, plan, out, data, workers)
+            lm.execute(runs, plan, out, data, workers, log_to)
         finally:
             total = lm.add_time(out, part, time.perf_counter() - start)
         print(f"difftx repro lm: {part} done, {total / 60:.1f} min of training in all", flush=True)
@@ -56,6 +58,7 @@ def run_long(
     workers: int | None = None,
     steps: int | None = None,
     corpora: list[str | Path] | None = None,
+    log_to: str = "jsonl",
 ) -> dict:
     """Run (or continue) the long part into ``out`` and write the study's report; returns the results."""
     plan, out, corpora = _checked(lm_long.PLANS, scale, steps, 4, out, corpora)
@@ -64,8 +67,8 @@ def run_long(
     data = lm.ensure_data(out, plan, corpora)
     workers = plan.workers if workers is None else workers
     plan = lm_long.decided_plan(plan, out, data, seeds)
-    stages = (("long-tune", lambda: lm_long.tune_stage(plan, out, data, workers)),
-              ("long", lambda: lm_long.long_stage(plan, out, data, workers, seeds)),
+    stages = (("long-tune", lambda: lm_long.tune_stage(plan, out, data, workers, log_to)),
+              ("long", lambda: lm_long.long_stage(plan, out, data, workers, seeds, log_to)),
               ("long-timing", lambda: lm_long.timing_stage(plan, out, data, seeds)))  # fmt: skip
     for name, stage in stages:
         start = time.perf_counter()

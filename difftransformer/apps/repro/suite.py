@@ -9,6 +9,7 @@ from pathlib import Path
 
 from difftransformer.errors import InputError
 from difftransformer.fsutil import check_new_dir
+from difftransformer.training.tracking import check_available, parse_sinks
 
 EXPERIMENTS = ("needle", "allocation", "icl", "lm", "quant")
 CONTINUED = ("lm", "quant")  # experiments that continue an interrupted run in their own directory
@@ -26,6 +27,7 @@ def run(
     parts: tuple[str, ...] | None = None,
     corpora: list[str] | None = None,
     logit_bits: int | None = None,
+    log_to: str = "jsonl",
 ) -> Path:
     """Run ``what`` (an experiment or 'all') into ``out``, which must be new or empty; returns the report path.
 
@@ -33,7 +35,8 @@ def run(
     ones ``all`` has just trained, or else it trains them itself; quant measures the language-model study in
     ``models`` (or the one ``all`` has just run); needle and icl, run alone with ``models`` (a report directory of
     the same experiment), evaluate its saved models again instead of training (for a grown evaluation, or another
-    ``logit_bits``).
+    ``logit_bits``). ``log_to`` (TrainConfig.log_to) is where the language-model study's runs log their metrics
+    besides metrics.jsonl (one TensorBoard run per model under lm's runs/).
     """
     if what not in (*EXPERIMENTS, "all"):
         raise InputError(f"unknown experiment {what!r}; choose one of {', '.join(EXPERIMENTS)} or all")
@@ -45,6 +48,13 @@ def run(
         if what not in LOGIT_BITS:
             raise InputError(f"`logit_bits` applies to {' and '.join(LOGIT_BITS)} (their final evaluation), not {what}")
         check_bits(logit_bits)
+    sinks = parse_sinks(log_to)
+    if isinstance(sinks, str):
+        raise InputError(f"`log_to` {sinks}")
+    if sinks != ("jsonl",):
+        if what not in ("lm", "all"):
+            raise InputError(f"`log_to` applies to lm (the study trained by the library's training loop), not {what}")
+        check_available(sinks)  # before any model trains
     out = Path(out)
     if what not in CONTINUED:
         check_new_dir(out, "report directory")
@@ -68,9 +78,9 @@ def run(
 
             short = tuple(p for p in parts or module.PARTS if p != "long")
             if short:
-                lm_study.run(target, scale, short, seed_list, workers, steps, corpora)
+                lm_study.run(target, scale, short, seed_list, workers, steps, corpora, log_to)
             if parts and "long" in parts:
-                lm_study.run_long(target, scale, seed_list, workers, steps, corpora)
+                lm_study.run_long(target, scale, seed_list, workers, steps, corpora, log_to)
         else:
             source = Path(models) if models and what == name else None
             module.run(target, scale, seed_list, workers or 2, steps, logit_bits=logit_bits, models=source)
