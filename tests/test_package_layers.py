@@ -168,3 +168,40 @@ def test_the_cycle_check_finds_a_cycle_through_a_local_import(tmp_path):
     (pkg / "apps" / "d.py").write_text("from difftransformer.apps import a, b\n")  # imports both, no cycle
     assert import_cycles(pkg) == [["difftransformer.apps.a", "difftransformer.apps.b", "difftransformer.apps.c",
                                    "difftransformer.apps.a"]]  # fmt: skip
+
+
+TRAINING_STACK = (
+    "difftransformer.training.loop",
+    "difftransformer.training.distributed",
+    "difftransformer.training.step",
+    "difftransformer.training.tracking",
+    "torch.utils.tensorboard",
+)
+
+
+def imported_after(statement: str) -> set[str]:
+    """The modules a fresh interpreter holds after running ``statement``."""
+    import subprocess
+    import sys
+
+    code = f"{statement}\nimport sys\nprint('\\n'.join(sys.modules))"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    return set(proc.stdout.split())
+
+
+@pytest.mark.parametrize(
+    "statement",
+    [
+        "import difftransformer",
+        "from difftransformer.inference import generate",
+        "from difftransformer import generate, load_run\nimport difftransformer.interop.convert",
+    ],
+)
+def test_loading_and_sampling_do_not_import_the_training_stack(statement):
+    loaded = imported_after(statement)
+    assert "difftransformer" in loaded
+    assert not loaded & set(TRAINING_STACK), sorted(loaded & set(TRAINING_STACK))
+
+
+def test_the_import_check_sees_the_training_stack():
+    assert "difftransformer.training.loop" in imported_after("import difftransformer.training.loop")

@@ -12,10 +12,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import torch
+
 from difftransformer.core.model import TransformerLM
 from difftransformer.fsutil import read_json_object
 from difftransformer.training.runs import METRICS, TRAIN_CONFIG
-from difftransformer.training.step import layer_lambdas
 
 CARD = "README.md"
 PAPER = "https://arxiv.org/abs/2410.05258"
@@ -107,7 +108,8 @@ def model_card(
         "",
     ]
     if diff:
-        lambdas = layer_lambdas(model) or []
+        with torch.no_grad():
+            lambdas = [float(block.attn.lambda_full()) for block in model.layers]
         inits = [float(block.attn.lambda_init) for block in model.layers]
         out += [
             "Each differential head outputs (softmax(Q1 K1^T / sqrt(d)) - lambda softmax(Q2 K2^T / sqrt(d))) V, "
