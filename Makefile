@@ -13,11 +13,12 @@ INTEROP_PYTHONS := $(subst $(space),$(comma),$(strip $(foreach v,$(INTEROP_VERSI
 
 .PHONY: demo test test-quick test-interop test-floor lint format clean shell docs
 
+# PYTHONWARNINGS filters setuptools' notice that an editable install is editable (a warning block at every set-up)
 $(STAMP): requirements-dev.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -r requirements-dev.txt
-	$(BIN)/python -m pip install --quiet --no-deps --no-build-isolation -e .
+	PYTHONWARNINGS='ignore:Editable installation' $(BIN)/python -m pip install --quiet --no-deps --no-build-isolation -e .
 	$(BIN)/python -c 'from difftransformer.core.attention import cpu_kernel; print(cpu_kernel.build())'
 	touch $(STAMP)
 	@echo "$(VENV) is ready."; $(HINT)

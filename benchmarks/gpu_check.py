@@ -115,7 +115,7 @@ def hf_parity(device: str, dry: bool) -> None:
 
 
 def _final_weights(run: Path) -> dict:
-    from difftransformer.training.checkpoint import list_checkpoints, load_checkpoint
+    from difftransformer.store.checkpoint import list_checkpoints, load_checkpoint
 
     return load_checkpoint(list_checkpoints(run)[-1])[0]
 
@@ -134,8 +134,8 @@ def _killed_and_resumed(launch: list[str], flags: list[str], run: Path, steps: i
     """Start the run, SIGKILL it and every process it started (torchrun's workers have sessions of their own) at a
     random step after its first checkpoint, then resume it to the end; (whether the kill stopped it, what
     happened)."""
-    from difftransformer.training.checkpoint import list_checkpoints
-    from difftransformer.training.runs import METRICS
+    from difftransformer.store.checkpoint import list_checkpoints
+    from difftransformer.store.runs import METRICS
 
     kill_at = random.Random(seed).randint(steps // 4 + 2, steps // 2)
     proc = subprocess.Popen([*launch, *flags, "--out", str(run)])

@@ -16,10 +16,12 @@ _HOME = {
     "MultiheadAttention": "difftransformer.core.attention",
     "MultiheadDiffAttn": "difftransformer.core.attention",
     "MultiheadDiffAttnV2": "difftransformer.core.attention",
+    "TrainConfig": "difftransformer.training.config",
     "TransformerLM": "difftransformer.core.model",
     "count_parameters": "difftransformer.core.model",
     "generate": "difftransformer.inference.generate",
-    "load_run": "difftransformer.training.runs",
+    "load_run": "difftransformer.store.runs",
+    "train": "difftransformer.training.loop",
 }
 
 __all__ = [
@@ -27,10 +29,12 @@ __all__ = [
     "MultiheadAttention",
     "MultiheadDiffAttn",
     "MultiheadDiffAttnV2",
+    "TrainConfig",
     "TransformerLM",
     "count_parameters",
     "generate",
     "load_run",
+    "train",
     "__version__",
 ]
 
@@ -39,7 +43,9 @@ if TYPE_CHECKING:  # what the names are, for type checkers and readers
     from difftransformer.core.config import ModelConfig
     from difftransformer.core.model import TransformerLM, count_parameters
     from difftransformer.inference.generate import generate
-    from difftransformer.training.runs import load_run
+    from difftransformer.store.runs import load_run
+    from difftransformer.training.config import TrainConfig
+    from difftransformer.training.loop import train
 
 
 def __getattr__(name: str):

@@ -49,6 +49,8 @@ def write_atomic(path: str | Path, write: Callable[[Path], object]) -> None:
     """Write ``path`` through ``write(tmp)`` on a temporary sibling (same suffix), synced, then renamed into place
     in one step: a crash leaves the old file or the new one, never half of one."""
     path = Path(path)
+    if not path.parent.is_dir():  # named here: the write's own error would name the temporary file
+        raise FileNotFoundError(f"the directory {path.parent} of {path} does not exist: create it or choose another")
     tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}{path.suffix}")
     try:
         write(tmp)

@@ -1,5 +1,6 @@
 """A live progress line for work that takes more than a few seconds: done/total, the latest loss, a smoothed
-throughput and the time left.
+throughput and the time left (at the average pace since the start: work with pauses, such as a validation every
+few steps, would swing an estimate from the recent pace many times over).
 
 On a terminal it is one line rewritten in place (at most a few times a second); elsewhere (a log file, CI) it prints a
 plain line every ``every_s`` seconds, so a log shows progress without a flood of lines.
@@ -62,7 +63,7 @@ class Progress:
         self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
         self.every_s = 0.25 if self.tty else every_s
         self.start = self._last_t = time.monotonic()
-        self._last_done, self._last_tokens = 0, 0
+        self._first_done = self._last_done = self._last_tokens = 0
         self._rate = self._token_rate = None  # units/s and tokens/s, smoothed
         self._shown_at, self._shown_done, self._width, self._line = -math.inf, -1, 0, ""
         self._lock = threading.Lock()  # watching() updates from a thread while the caller may write()
@@ -70,7 +71,7 @@ class Progress:
     def begin(self, done: int = 0, tokens: int = 0) -> None:
         """Restart the clock at ``done`` units (a resumed run counts its speed from here)."""
         self.start = self._last_t = time.monotonic()
-        self._last_done, self._last_tokens = done, tokens
+        self._first_done, self._last_done, self._last_tokens = done, done, tokens
 
     def update(self, done: int, tokens: int | None = None, loss: float | None = None, note: str = "") -> None:
         if not self.enabled:
@@ -102,7 +103,8 @@ class Progress:
             parts.append(f"{rate:.2f} {self.unit}/{per}")
         if note:
             parts.append(note)
-        left = (self.total - done) / self._rate if self._rate else math.inf
+        pace = (done - self._first_done) / (now - self.start) if now > self.start else 0.0
+        left = (self.total - done) / pace if pace > 0 else math.inf
         parts.append(f"{duration(now - self.start)} elapsed, {duration(left) if done < self.total else '0s'} left")
         self._line = "  ".join(parts)
         if now - self._shown_at >= self.every_s or (done >= self.total and self._shown_done != done):

@@ -81,9 +81,9 @@ def corpus_dir(tmp_path):
 @pytest.fixture
 def prepared(tmp_path, corpus_dir):
     """A prepared byte-level data directory of the small corpus."""
-    from difftransformer.training.corpus import find_files, iter_documents
-    from difftransformer.training.data import prepare
-    from difftransformer.training.tokenizer import ByteTokenizer
+    from difftransformer.store.corpus import find_files, iter_documents
+    from difftransformer.store.data import prepare
+    from difftransformer.store.tokenizer import ByteTokenizer
 
     out = tmp_path / "data"
     prepare(iter_documents(find_files([corpus_dir])), ByteTokenizer(), out, val_every=10)

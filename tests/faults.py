@@ -11,7 +11,7 @@ import time
 
 from difftransformer.apps.cli import main
 from difftransformer.errors import InputError
-from difftransformer.training.data import WindowSampler
+from difftransformer.store.data import WindowSampler
 
 RANK, STEP = int(os.environ["DIFFTX_FAULT_RANK"]), int(os.environ["DIFFTX_FAULT_STEP"])
 batch = WindowSampler.batch

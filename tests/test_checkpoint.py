@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from difftransformer.errors import InputError
-from difftransformer.training.checkpoint import (
+from difftransformer.store.checkpoint import (
     clean_stale,
     is_calm,
     list_checkpoints,

@@ -1,4 +1,4 @@
-"""The command line and the README's usage block."""
+"""The command line: the demo, presets, the entry point and the data and tokenizer commands."""
 
 import re
 import subprocess
@@ -26,7 +26,16 @@ def test_demo_trains_both_and_writes_a_report(capsys, tmp_path, prepared):
     assert "val loss DIFF" in out and "val loss std" in out
     assert "about 5 minutes on 2 idle CPU cores" in out and "lower is better" in out  # how long, what it means
     assert "the committed study (`difftx repro lm --scale cpu" in out  # the numbers to read this one against
-    assert "demo  16/16 steps" in err  # the live line counts both models' steps
+    assert "demo, DIFF and standard in turn  8/8 steps" in err  # the live line counts each model's steps
+    assert "the byte tokenizer has 257, the 256 bytes and an end-of-document token" in out  # vs difftx presets
+    ratio = re.search(r"training step time, DIFF / standard: (\d+\.\d\d) \(the two models' steps timed in turn over "
+                      r"the 6 steps without a validation", out)  # fmt: skip
+    assert ratio and float(ratio.group(1)) == pytest.approx(result["step_time_ratio"], abs=0.005)
+    assert result["step_time_ratio"] == pytest.approx(
+        result["step_seconds"]["diff"] / result["step_seconds"]["standard"]
+    )
+    table = [line.split() for line in out.splitlines() if re.match(r"\s+[48] ", line)]
+    assert [row[0] for row in table] == ["4", "8"] and all(len(row) == 5 for row in table)  # no throughput columns
     for kind in ("diff", "standard"):
         assert result["final"][kind]["val_loss"] < 5.0  # ln 257 = 5.55 at the start
         assert len(result["samples"][kind]) == 3
@@ -43,25 +52,16 @@ def test_demo_trains_both_and_writes_a_report(capsys, tmp_path, prepared):
 @pytest.mark.slow
 def test_presets_command(capsys):
     assert main(["presets"]) == 0
-    assert "13,123,046,400" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "13,123,046,400" in out
+    assert out.splitlines()[1].split() == ["tiny", "128", "6", "8", "4", "256", "1,345,728", "1,345,152"]
+    assert "the byte tokenizer's 257 tokens" in out  # why the demo's tiny model counts 2 x 128 more
 
 
 @pytest.mark.slow
 def test_python_dash_m_entry_point():
     proc = subprocess.run([sys.executable, "-m", "difftransformer", "--help"], capture_output=True, text=True)
     assert proc.returncode == 0 and "demo" in proc.stdout
-
-
-def test_readme_starts_with_the_two_commands_and_its_usage_runs():
-    readme = (ROOT / "README.md").read_text()
-    first_block = readme.split("```")[1]
-    assert [line.split("#")[0].strip() for line in first_block.strip().splitlines()] == ["make demo", "make test"]
-    code = re.search(r"```python\n(.*?)```", readme, re.S).group(1)
-    scope: dict = {}
-    exec(compile(code, "README.md", "exec"), scope)
-    assert scope["y"].shape == (2, 64, 1024) and scope["w"].shape == (2, 8, 64, 64)
-    assert scope["logits"].shape == (2, 128, 256)
-    assert abs(scope["attn"].lambda_init - 0.2) < 1e-12 and isinstance(scope["attn"].lambda_full(), torch.Tensor)
 
 
 def test_data_and_tokenizer_commands(tmp_path, corpus_dir, capsys):

@@ -110,7 +110,7 @@ def test_llama_converted_to_diff_starts_close_and_trains(prepared, tmp_path):
     from it (--init-from) lowers it."""
     import torch.nn.functional as F
 
-    from difftransformer.training.data import TokenData, eval_windows
+    from difftransformer.store.data import TokenData, eval_windows
 
     cfg = small_config(
         prepared,
@@ -164,7 +164,7 @@ def test_exports_of_earlier_versions_import_with_the_right_end_token(prepared, t
     generation config, and bos 1 in the model config: those ordinary byte tokens are not taken for special ones."""
     import json
 
-    from difftransformer.training.tokenizer import ByteTokenizer
+    from difftransformer.store.tokenizer import ByteTokenizer
 
     run = small_run(prepared, tmp_path / "run", "diff")
     assert main(["convert", "--run", str(run), "--out", str(tmp_path / "hf")]) == 0
@@ -182,7 +182,7 @@ def _llama_with_its_own_end_token(corpus_dir, out, eos_in_both: bool = False):
 
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    from difftransformer.training.corpus import find_files, iter_documents
+    from difftransformer.store.corpus import find_files, iter_documents
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

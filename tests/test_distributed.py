@@ -14,7 +14,7 @@ from conftest import difftx, losses, metric_rows, small_config, train_args
 
 from difftransformer.core.config import ModelConfig
 from difftransformer.core.model import TransformerLM
-from difftransformer.training.checkpoint import list_checkpoints, load_checkpoint
+from difftransformer.store.checkpoint import list_checkpoints, load_checkpoint
 from difftransformer.training.distributed import (
     World,
     all_reduce_max,
@@ -232,3 +232,64 @@ def test_every_collective_tensor_is_on_the_worlds_device(prepared, tmp_path, par
     counts = [line for line in proc.stderr.splitlines() if "checked collectives:" in line]
     assert len(counts) == 2 and all("'all_reduce'" in line for line in counts), counts
     assert len(metric_rows(tmp_path / "run")) == 6 // 2 + 1  # steps 2, 3 (validation), 4, 6
+
+
+LEAVE_SCRIPT = """
+import atexit, json, sys
+import torch.distributed as dist
+from difftransformer.training.loop import TrainConfig, train
+
+cfg = json.loads(sys.argv[1])
+if sys.argv[2] == "own-group":  # the caller's group: train leaves it up
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[3], rank=0, world_size=1)
+if sys.argv[2] == "failed-start":
+    cfg["data"] += "-missing"
+if sys.argv[2] == "init-world":  # the world without a trainer (parallelize's own users): left at exit
+    from difftransformer.training.distributed import init_world
+
+    init_world("cpu")
+else:
+    try:
+        train(TrainConfig(**cfg), quiet=True)
+    except FileNotFoundError as err:
+        print("start failed:", type(err).__name__)
+print("after train:", dist.is_initialized())
+atexit._run_exitfuncs()  # what the interpreter runs before it finalizes
+print("at exit:", dist.is_initialized())
+"""
+
+
+def _free_port() -> str:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["joined", "failed-start", "init-world", "own-group"])
+def test_training_leaves_the_group_it_joined_and_only_that_one(prepared, tmp_path, case):
+    """A trainer that joined torchrun's group (one process here: torchrun's variables, no torchrun) leaves it when
+    it closes after a run, and at exit after a failed start (the error is reported first, with the group up: see
+    test_a_failing_process_ends_the_group_with_its_error_once); a group joined by init_world alone is left at exit.
+    A process that ends with its gloo group up can abort at exit (SIGABRT after a finished run, seen once in the
+    collective-device test). A group the caller made itself stays up."""
+    import dataclasses
+
+    cfg = dataclasses.asdict(small_config(prepared, tmp_path / "run", max_steps=2, eval_interval=2))
+    port = _free_port()
+    env = {**ONE_THREAD, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": port, "TORCHELASTIC_RUN_ID": "leave-test"}  # fmt: skip
+    if case == "own-group":
+        env.pop("TORCHELASTIC_RUN_ID")
+    proc = subprocess.run([sys.executable, "-c", LEAVE_SCRIPT, json.dumps(cfg), case, _free_port()], env=env,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    expected = {
+        "joined": ["after train: False", "at exit: False"],
+        "failed-start": ["start failed: FileNotFoundError", "after train: True", "at exit: False"],  # left at exit
+        "init-world": ["after train: True", "at exit: False"],
+        "own-group": ["after train: True", "at exit: True"],
+    }[case]
+    assert proc.stdout.split("\n")[:-1] == expected, proc.stdout

@@ -1,7 +1,8 @@
 """Every figure the library writes, rendered and checked for what makes a figure readable: a title that says what
-is compared, legends that cover no data (one figure legend below the axes), a colour bar for every image, tick
-labels of at least 8 points. The experiments' figures are rendered from the committed reports' results; the demo's
-and the analyses' from short runs. DIFFTX_KEEP_FIGURES=DIR also writes them there, to look at."""
+is compared, legends that cover no data (one figure legend below the axes) and fit in the figure, a colour bar for
+every image, tick labels of at least 8 points. The experiments' figures are rendered from the committed reports'
+results; the demo's and the analyses' from short runs. DIFFTX_KEEP_FIGURES=DIR also writes them there, to look
+at."""
 
 from __future__ import annotations
 
@@ -54,6 +55,7 @@ def check_readable(fig, name: str) -> None:
             assert (im.norm.vmin, im.norm.vmax, im.cmap.name) in scales, f"{name}: an image without a colour bar"
     for legend in fig.legends:
         box = legend.get_window_extent(renderer)
+        assert fig.bbox.x0 <= box.x0 and box.x1 <= fig.bbox.x1, f"{name}: the legend is cut off at the figure's edges"
         for ax in plots:
             assert not box.overlaps(ax.get_window_extent(renderer)), f"{name}: the legend overlaps an axes"
 
@@ -125,8 +127,8 @@ def test_demo_attention_and_outlier_figures(figures, prepared, tmp_path):
 def test_attention_map_figure(figures, prepared, tmp_path):
     from difftransformer.apps.analysis import attention_maps
     from difftransformer.apps.analyze import _figure
+    from difftransformer.store.runs import load_run
     from difftransformer.training.loop import train
-    from difftransformer.training.runs import load_run
 
     train(small_config(prepared, tmp_path / "diff", max_steps=2, ckpt_interval=2), quiet=True)
     model, tokenizer = load_run(tmp_path / "diff")

@@ -67,6 +67,14 @@ def test_a_failed_write_keeps_the_old_file_and_leaves_no_temporary(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["figure.png"]
 
 
+def test_a_write_into_a_missing_directory_names_the_directory_not_the_temporary(tmp_path):
+    path = tmp_path / "reports" / "maps.png"
+    with pytest.raises(FileNotFoundError) as err:
+        write_atomic(path, lambda tmp: tmp.write_bytes(b"png"))
+    assert str(err.value) == f"the directory {path.parent} of {path} does not exist: create it or choose another"
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_write_text_atomic_writes_utf8(tmp_path):
     write_text_atomic(tmp_path / "t.md", "λ = 0.8")
     assert (tmp_path / "t.md").read_bytes() == "λ = 0.8".encode()

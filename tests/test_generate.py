@@ -7,7 +7,7 @@ from conftest import SMALL, small_config
 from difftransformer import ModelConfig, TransformerLM
 from difftransformer.inference.cache import KVCache
 from difftransformer.inference.generate import generate, sample_next
-from difftransformer.training.tokenizer import ByteTokenizer
+from difftransformer.store.tokenizer import ByteTokenizer
 
 
 def tiny(attention="diff", **kw):
@@ -134,7 +134,7 @@ def test_load_run_errors(prepared, tmp_path):
     import shutil
 
     from difftransformer import load_run
-    from difftransformer.training.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
+    from difftransformer.store.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
     from difftransformer.training.loop import train
 
     with pytest.raises(FileNotFoundError, match="does not exist"):

@@ -26,8 +26,8 @@ from conftest import optional
 
 from difftransformer import ModelConfig, TransformerLM, generate, load_run
 from difftransformer.apps.cli import main
-from difftransformer.training.runs import save_run
-from difftransformer.training.tokenizer import ByteTokenizer
+from difftransformer.store.runs import save_run
+from difftransformer.store.tokenizer import ByteTokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 CHECK = ROOT / "tests" / "interop" / "check.py"

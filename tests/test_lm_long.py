@@ -15,8 +15,8 @@ from difftransformer.core.attention.diff import differential_attention
 from difftransformer.core.config import ModelConfig
 from difftransformer.core.model import TransformerLM, count_parameters
 from difftransformer.errors import InputError
-from difftransformer.training.data import prepare
-from difftransformer.training.tokenizer import ByteTokenizer
+from difftransformer.store.data import prepare
+from difftransformer.store.tokenizer import ByteTokenizer
 
 # the plan ----------------------------------------------------------------------------------------------------------
 
@@ -241,7 +241,7 @@ def test_the_matched_gain_gives_the_standard_models_initial_attention_rms(tmp_pa
     assert 0 < init["gain"] < 1 and init["train_tokens"] > 0
     assert len(init["attn_rms"]["diff"]) == 2 and len(init["attn_rms"]["diff"][0]) == TOY.sizes["X"][1]
     decided = dataclasses.replace(plan, options=lm_long.options_of(plan, init))
-    from difftransformer.training.data import TokenData, eval_windows
+    from difftransformer.store.data import TokenData, eval_windows
 
     windows = eval_windows(TokenData(data, "val"), plan.seq_len, plan.curve_tokens)[:4]
     ratios = []

@@ -12,9 +12,9 @@ from conftest import metric_rows, optional
 from difftransformer.apps.repro import lm, lm_measure, lm_report, lm_study
 from difftransformer.apps.repro.scaling import PowerLaw, fit_power_law, fraction_needed
 from difftransformer.errors import ConfigError, InputError
-from difftransformer.training.data import TokenData, is_val_document, prepare
+from difftransformer.store.data import TokenData, is_val_document, prepare
+from difftransformer.store.tokenizer import ByteTokenizer
 from difftransformer.training.evaluate import token_losses
-from difftransformer.training.tokenizer import ByteTokenizer
 
 # recall hits ------------------------------------------------------------------------------------------------------
 
@@ -385,10 +385,10 @@ STUDY_SCRIPT = """
 import dataclasses, sys
 sys.path.insert(0, {tests!r})
 from test_lm_study import TOY
-from difftransformer.training.data import prepare
+from difftransformer.store.data import prepare
 from difftransformer.errors import Interrupted
 from difftransformer.apps.repro import lm, lm_study
-from difftransformer.training.tokenizer import ByteTokenizer
+from difftransformer.store.tokenizer import ByteTokenizer
 
 from pathlib import Path
 

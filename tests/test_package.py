@@ -31,7 +31,9 @@ def test_sdist_and_wheel_install_into_a_fresh_environment_with_a_working_difftx(
     (wheel,) = dist.glob("difftransformer-*-py3-none-any.whl")
     names = zipfile.ZipFile(wheel).namelist()
     assert "difftransformer/core/attention/csrc/diff_block.cpp" in names  # the CPU kernel's source ships
-    assert "difftransformer/apps/cli.py" in names and not any(n.startswith("tests/") for n in names)
+    assert "difftransformer/apps/cli/train.py" in names and "difftransformer/store/runs.py" in names
+    assert not any(n.startswith("tests/") for n in names)
+    assert f"difftransformer-{_version()}.dist-info/licenses/LICENSE" in names  # the MIT text ships with the wheel
     assert any(n.endswith("/csrc/diff_block.cpp") for n in tarfile.open(sdist).getnames())
 
     venv = tmp_path / "venv"
@@ -75,3 +77,28 @@ def _version() -> str:
     from difftransformer import __version__
 
     return __version__
+
+
+def test_citation_file_is_the_software_and_the_paper_as_the_package_and_the_model_card_cite_them():
+    """CITATION.cff (read by GitHub and Zenodo) carries the fields CFF 1.2.0 requires, this package's version and
+    licence, and the paper's authors, title and year as the model card's BibTeX gives them: a version bump or an
+    edited author list that misses one of the two fails here."""
+    import re
+
+    from conftest import optional
+
+    from difftransformer.interop.model_card import CITATION
+    from difftransformer.training.config_file import tomllib
+
+    yaml = optional("yaml")
+
+    cff = yaml.safe_load((ROOT / "CITATION.cff").read_text(encoding="utf-8"))
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    assert cff["cff-version"] == "1.2.0" and cff["message"] and cff["title"] and cff["authors"]
+    assert (cff["version"], cff["license"]) == (project["version"], project["license"]) == (_version(), "MIT")
+    assert (ROOT / "LICENSE").read_text(encoding="utf-8").startswith("MIT License")
+    paper = cff["preferred-citation"]
+    authors = re.search(r"author\s*=\s*\{(.*)\}", CITATION).group(1).split(" and ")
+    assert [f"{a['family-names']}, {a['given-names']}" for a in paper["authors"]] == authors
+    assert f"title     = {{{paper['title']}}}" in CITATION and f"year      = {{{paper['year']}}}" in CITATION
+    assert "arXiv:2410.05258" in [i["value"] for i in paper["identifiers"]] and "2410.05258" in CITATION

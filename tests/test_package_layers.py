@@ -1,6 +1,6 @@
 """The package's layers: imports run one way, from the applications down to the core.
 
-    foundation (errors, fsutil, progress) < core < training < inference < interop < apps
+    foundation (errors, fsutil, progress) < core < store < training < inference < interop < apps
 
 A module may import its own layer and the layers below it, never one above (function-local imports included).
 The package's ``__init__`` re-exports the public API and ``__main__`` starts the CLI: they are not checked, and
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "difftransformer"
-LAYERS = ["foundation", "core", "training", "inference", "interop", "apps"]
+LAYERS = ["foundation", "core", "store", "training", "inference", "interop", "apps"]
 FOUNDATION = {"errors", "fsutil", "progress"}
 
 
@@ -195,6 +195,7 @@ def imported_after(statement: str) -> set[str]:
         "import difftransformer",
         "from difftransformer.inference import generate",
         "from difftransformer import generate, load_run\nimport difftransformer.interop.convert",
+        "from difftransformer.store import load_run\nload_run",
     ],
 )
 def test_loading_and_sampling_do_not_import_the_training_stack(statement):
@@ -205,3 +206,29 @@ def test_loading_and_sampling_do_not_import_the_training_stack(statement):
 
 def test_the_import_check_sees_the_training_stack():
     assert "difftransformer.training.loop" in imported_after("import difftransformer.training.loop")
+
+
+def test_every_top_level_name_is_its_home_modules_object():
+    """``difftransformer.X`` for each name of ``__all__`` is the object its own module defines (the lazy table
+    names a module that holds it), and a name outside the table is an AttributeError naming it."""
+    import importlib
+
+    import difftransformer
+
+    homes = {
+        "ModelConfig": "core.config",
+        "MultiheadAttention": "core.attention.standard",
+        "MultiheadDiffAttn": "core.attention.diff",
+        "MultiheadDiffAttnV2": "core.attention.diff_v2",
+        "TrainConfig": "training.config",
+        "TransformerLM": "core.model",
+        "count_parameters": "core.model",
+        "generate": "inference.generate",
+        "load_run": "store.runs",
+        "train": "training.loop",
+    }
+    assert sorted(difftransformer.__all__) == sorted([*homes, "__version__"])
+    for name, home in homes.items():
+        assert getattr(difftransformer, name) is getattr(importlib.import_module(f"difftransformer.{home}"), name)
+    with pytest.raises(AttributeError, match="'difftransformer' has no attribute 'Trainer'"):
+        difftransformer.Trainer  # noqa: B018

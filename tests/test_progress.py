@@ -67,6 +67,34 @@ def test_rate_is_smoothed_over_a_slow_step(clock):
     assert 60 < rate < 100  # smoothed: neither the last interval's 10 tok/s nor the earlier 100
 
 
+def test_time_left_does_not_swing_over_pauses(clock):
+    """240 steps of a second with a pause of a minute every 40 (a validation on a slow machine): once a pause has
+    been seen (step 45 on), elapsed plus time left, the total each line predicts, stays within a factor of 1.3 of
+    the true 540 s (420 to 598; the smoothed recent pace predicted 325 to 3,007 s)."""
+    out = io.StringIO()
+    p = Progress(240, stream=out, every_s=0)
+    for step in range(1, 241):
+        clock.now += 1.0 + (60.0 if step % 40 == 1 and step > 1 else 0.0)
+        p.update(step)
+    predicted = []
+    for line in out.getvalue().splitlines()[44:-1]:
+        elapsed, left = line.split("  ")[-1].split(" elapsed, ")
+        predicted.append(_seconds(elapsed) + _seconds(left.removesuffix(" left")))
+    assert clock.now - 1000.0 == 540.0
+    assert 540 / 1.3 < min(predicted) and max(predicted) < 540 * 1.3, (min(predicted), max(predicted))
+
+
+def _seconds(text: str) -> float:
+    """The seconds of duration()'s 12s, 3m05s, 1h02m."""
+    if "h" in text:
+        hours, minutes = text.removesuffix("m").split("h")
+        return 3600 * int(hours) + 60 * int(minutes)
+    if "m" in text:
+        minutes, secs = text.removesuffix("s").split("m")
+        return 60 * int(minutes) + int(secs)
+    return float(text.removesuffix("s"))
+
+
 def test_a_terminal_line_is_rewritten_in_place_and_lines_go_above_it(clock, capsys):
     term = Terminal()
     p = Progress(10, "demo", stream=term)

@@ -19,11 +19,11 @@ from difftransformer import ModelConfig
 from difftransformer.core.model import count_parameters
 from difftransformer.errors import ConfigError, InputError
 from difftransformer.inference.generate import SamplingConfig
-from difftransformer.training.checkpoint import load_checkpoint, save_checkpoint
-from difftransformer.training.corpus import iter_documents
-from difftransformer.training.data import read_manifest
+from difftransformer.store.checkpoint import load_checkpoint, save_checkpoint
+from difftransformer.store.corpus import iter_documents
+from difftransformer.store.data import read_manifest
+from difftransformer.store.tokenizer import ByteTokenizer, HFTokenizer, train_bpe
 from difftransformer.training.loop import TrainConfig
-from difftransformer.training.tokenizer import ByteTokenizer, HFTokenizer, train_bpe
 
 SETTINGS = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 

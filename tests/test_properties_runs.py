@@ -19,13 +19,13 @@ from hypothesis import strategies as st
 from difftransformer.apps.cli import main
 from difftransformer.errors import InputError
 from difftransformer.inference.evaluate import read_texts
+from difftransformer.store.corpus import find_files, iter_documents
+from difftransformer.store.data import prepare
+from difftransformer.store.runs import load_run
+from difftransformer.store.tokenizer import EOT, ByteTokenizer, HFTokenizer, load_tokenizer, train_bpe
 from difftransformer.training.config import resume_config
-from difftransformer.training.corpus import find_files, iter_documents
-from difftransformer.training.data import prepare
 from difftransformer.training.evaluate import text_bits_per_byte
 from difftransformer.training.loop import Trainer, train
-from difftransformer.training.runs import load_run
-from difftransformer.training.tokenizer import EOT, ByteTokenizer, HFTokenizer, load_tokenizer, train_bpe
 
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 SPECIAL = [EOT.encode(), b"<|endoftext", b"<s>", b"</s>", "é".encode(), "東".encode(), b"\xff", b"\xc3", b"\x00"]

@@ -83,7 +83,7 @@ def trained(prepared, tmp_path):
 def test_a_quantized_run_reloads_bit_exactly_and_generates(trained, tmp_path, scheme, capsys):
     from difftransformer import load_run
     from difftransformer.inference.quantize import quantize_run
-    from difftransformer.training.checkpoint import list_checkpoints, load_model_tensors
+    from difftransformer.store.checkpoint import list_checkpoints, load_model_tensors
 
     out = tmp_path / scheme
     spec = quantize_run(trained, scheme, out, calib_samples=8)
@@ -110,7 +110,7 @@ def test_a_quantized_run_reloads_bit_exactly_and_generates(trained, tmp_path, sc
 
 def test_calibration_reads_only_training_windows(trained, tmp_path, monkeypatch):
     import difftransformer.inference.quantize as ptq
-    import difftransformer.training.runs as runs
+    import difftransformer.store.runs as runs
 
     splits = []
     original = runs.eval_windows
@@ -126,7 +126,7 @@ def test_calibration_reads_only_training_windows(trained, tmp_path, monkeypatch)
 
 def test_percentile_calibration_clips_below_absmax(trained, tmp_path):
     from difftransformer.inference.quantize import quantize_run
-    from difftransformer.training.checkpoint import list_checkpoints, load_model_tensors
+    from difftransformer.store.checkpoint import list_checkpoints, load_model_tensors
 
     quantize_run(trained, "w8a8", tmp_path / "abs", calib_samples=8, calibrator="absmax")
     quantize_run(trained, "w8a8", tmp_path / "pct", calib_samples=8, calibrator="percentile")
@@ -161,3 +161,20 @@ def test_bench_quantized_names_the_runs_not_their_paths(trained, tmp_path, capsy
     shapes = json.loads(out.read_text())["shapes"]
     assert (shapes["run"], shapes["source"]) == ("q", "run")
     assert str(tmp_path) not in out.read_text() and str(tmp_path) not in capsys.readouterr().out
+
+
+def test_bench_quantized_names_the_context_that_fits(trained, tmp_path, capsys):
+    """A context too long for the model is refused with the model's own context and the longest --context that
+    fits; that one runs."""
+    from difftransformer import load_run
+    from difftransformer.inference.quantize import quantize_run
+
+    quantize_run(trained, "w8a16", tmp_path / "q")
+    window = load_run(trained)[0].config.max_seq_len
+    argv = ["bench", "quantized", "--run", str(tmp_path / "q"), "--tokens", "2", "--repeats", "1"]
+    assert main([*argv, "--context", str(window - 2)]) == 2
+    expected = (
+        f"needs {window + 1} positions, more than the model's context of {window}: use --context {window - 3} or less"
+    )
+    assert capsys.readouterr().err.strip().endswith(expected)
+    assert main([*argv, "--context", str(window - 3)]) == 0

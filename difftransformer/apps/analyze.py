@@ -34,7 +34,7 @@ def read_prompt(path: str | Path) -> str:
 
 def load_prompt(run: str | Path, prompt_file: str | Path) -> tuple[torch.nn.Module, torch.Tensor, list[str]]:
     """(model, tokens (1, T), token labels) for a run directory (an experiment's model reads token ids)."""
-    from difftransformer.training.runs import load_run
+    from difftransformer.store.runs import load_run
 
     model, tokenizer = load_run(run)
     ids = tokenizer.encode(read_prompt(prompt_file))
@@ -53,14 +53,13 @@ def analyze_attention(run: str | Path, prompt_file: str | Path, out: str | Path,
         raise FileExistsError(f"{out} already exists; choose another `out` or remove it")
     if out.suffix.lower() != ".png":
         raise InputError(f"`out` must name a .png file, got {out}")
-    if not out.parent.is_dir():
-        raise FileNotFoundError(f"the folder {out.parent} of `out` does not exist; create it first (mkdir -p)")
     model, tokens, labels = load_prompt(run, prompt_file)
     n_layers = len(model.layers)
     if not -n_layers <= layer < n_layers:
         raise InputError(f"`layer` {layer} is out of range: the model has {n_layers} layers")
     maps = attention_maps(model, tokens, both=True)[layer]
     figure = _figure(maps, labels, layer % n_layers, model.config.attention)
+    out.parent.mkdir(parents=True, exist_ok=True)  # once the inputs are known good: a failed call creates nothing
     write_atomic(out, lambda tmp: figure.savefig(tmp, dpi=110))
     return out
 

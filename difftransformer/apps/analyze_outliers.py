@@ -18,7 +18,7 @@ from difftransformer.errors import InputError
 from difftransformer.fsutil import check_new_dir, write_new_dir, write_text_atomic
 from difftransformer.inference.magnitudes import EDGES, TOPS
 from difftransformer.progress import Progress
-from difftransformer.training.runs import load_run, run_windows
+from difftransformer.store.runs import load_run, run_windows
 
 PAPER_TOKENS = 400_000
 # Table 5 of the paper (3B models, 0.4M tokens): top-1, top-2, top-3, top-10, top-100, median

@@ -602,8 +602,8 @@ def format_decode(result: dict) -> str:
 def bench_quantized(run: str | Path, contexts: list[int], tokens: int = 32, repeats: int = 3) -> dict:
     """Size on disk and decode tokens/s of a quantized run against its float source run (batch 1, CPU)."""
     from difftransformer.errors import InputError
-    from difftransformer.training.checkpoint import list_checkpoints
-    from difftransformer.training.runs import load_run, read_quantization
+    from difftransformer.store.checkpoint import list_checkpoints
+    from difftransformer.store.runs import load_run, read_quantization
 
     run = Path(run)
     spec = read_quantization(run) if run.is_dir() else None
@@ -614,10 +614,11 @@ def bench_quantized(run: str | Path, contexts: list[int], tokens: int = 32, repe
         raise FileNotFoundError(f"the float source {source} of {run} does not exist (moved or removed)")
     paths = {"float": source, spec["scheme"]: run}
     models = {name: load_run(path)[0] for name, path in paths.items()}
-    longest = max(contexts) + tokens + 1
-    if longest > models["float"].config.max_seq_len:
+    longest, window = max(contexts) + tokens + 1, models["float"].config.max_seq_len  # + 1: the warm-up step
+    if longest > window:
         raise InputError(
-            f"a context of {max(contexts)} plus {tokens} new tokens exceeds the model context of {longest - 1}"
+            f"a context of {max(contexts)} plus {tokens} new tokens and a warm-up step needs {longest} positions, "
+            f"more than the model's context of {window}: use --context {window - tokens - 1} or less"
         )
     sizes = {name: (list_checkpoints(path)[-1] / "model.safetensors").stat().st_size for name, path in paths.items()}
     with _Calls.tracking("decode", len(contexts) * repeats * len(models)):

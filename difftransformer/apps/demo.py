@@ -14,14 +14,15 @@ import torch
 from difftransformer.core.model import TransformerLM
 from difftransformer.inference.generate import generate
 from difftransformer.progress import Progress
-from difftransformer.training import corpus
-from difftransformer.training.data import prepare, read_manifest
+from difftransformer.store import corpus
+from difftransformer.store.data import prepare, read_manifest
+from difftransformer.store.tokenizer import ByteTokenizer
 from difftransformer.training.loop import TrainConfig, Trainer
-from difftransformer.training.tokenizer import ByteTokenizer
 
 PROMPTS = ("Return the ", "The module ", "If the ")
 STUDY = Path(__file__).resolve().parents[2] / "experiments" / "reports" / "lm" / "results.json"
 KINDS = ("diff", "standard")
+NAMES = {"diff": "DIFF", "standard": "standard"}  # in figures
 # `time make demo` with an existing .venv and the corpus not yet prepared, idle 2-core EPYC VM: 4m28s, 4m50s
 EXPECTED = "about 5 minutes on 2 idle CPU cores"
 
@@ -103,56 +104,65 @@ def run_demo(
     data_dir = demo_data(Path(data))
     run_dir = free_run_dir(Path(out))
     trainers = {}
-    progress, losses = Progress(2 * steps, "demo"), {}
+    progress, losses = Progress(steps, "demo, DIFF and standard in turn"), {}
 
-    def shown(kind: str, row: dict) -> None:  # both models' steps, tokens and latest losses on one live line
+    def shown(kind: str, row: dict) -> None:  # the pair's step and both latest losses on one live line
         losses[kind] = row["loss"]
-        done = sum(t.step_idx for t in trainers.values())
         note = "training loss " + ", ".join(f"{k} {v:.3f}" for k, v in losses.items())
-        progress.update(done, done * batch_size * seq_len, note=note)
+        progress.update(min(t.step_idx for t in trainers.values()), note=note)
 
     for kind in KINDS:
         cfg = demo_config(kind, data_dir, run_dir / kind, steps, eval_every, seq_len, batch_size)
         trainers[kind] = Trainer(cfg, quiet=True, on_step=lambda row, kind=kind: shown(kind, row))
     diff, std = (trainers[k].model for k in KINDS)
     n_diff, n_std = diff.num_parameters(), std.num_parameters()
+    vocab, width = diff.config.vocab_size, diff.config.d_model
     print(
         f"tiny DIFF: {n_diff:,} parameters ({diff.config.attention_heads} differential heads); tiny standard: "
         f"{n_std:,} ({std.config.n_heads} heads); difference {n_diff - n_std:+,} = 6 * head size per layer"
     )
+    print(
+        f"(`difftx presets` counts {vocab - 1} tokens; the byte tokenizer has {vocab}, the 256 bytes and an "
+        f"end-of-document token, so both models have 2 x {width} = {2 * width} parameters more here: one "
+        "embedding row and one output row)"
+    )
     print("lambda_init per layer:", " ".join(f"{b.attn.lambda_init:.3f}" for b in diff.layers))
     print(
-        f"training both on {trainers['diff'].train_data.n_tokens:,} tokens of CPython documentation: {steps} steps "
-        f"of {batch_size} x {seq_len} tokens, {torch.get_num_threads()} thread(s); "
-        f"{EXPECTED} (the live line below estimates this machine's)"
+        f"training each on {trainers['diff'].train_data.n_tokens:,} tokens of CPython documentation: {steps} steps "
+        f"each of {batch_size} x {seq_len} tokens, one step of each model in turn, {torch.get_num_threads()} "
+        f"thread(s); {EXPECTED} (the live line below estimates this machine's)"
     )
     print(
-        "the table: validation loss in nats per byte token and bits per byte (lower is better; a model that knew "
-        f"nothing would score ln {diff.config.vocab_size} = {math.log(diff.config.vocab_size):.2f} nats), and each "
-        "model's training throughput in tokens per second\n"
+        f"the table: validation loss in nats per token (a token is a byte or the end of a document; lower is "
+        f"better; a model that knew nothing would score ln {vocab} = {math.log(vocab):.2f}) and in bits per byte\n"
     )
-    print(
-        f"{'step':>6} {'val loss DIFF':>14} {'val loss std':>13} {'bpb DIFF':>9} {'bpb std':>8} "
-        f"{'tok/s DIFF':>11} {'tok/s std':>10}"
-    )
+    print(f"{'step':>6} {'val loss DIFF':>14} {'val loss std':>13} {'bpb DIFF':>9} {'bpb std':>8}")
     rows = {k: [] for k in KINDS}
-    seconds = dict.fromkeys(KINDS, 0.0)
-    for until in range(eval_every, steps + eval_every, eval_every):
-        last = {}
-        for kind in KINDS:
+    seconds, timed = dict.fromkeys(KINDS, 0.0), 0
+    progress.begin()
+    for step in range(1, steps + 1):
+        validates = step % eval_every == 0 or step == steps
+        for kind in KINDS if step % 2 else KINDS[::-1]:  # who goes first alternates
             start = time.perf_counter()
-            new = trainers[kind].fit(until=until)
-            seconds[kind] += time.perf_counter() - start
-            rows[kind].extend(new)
-            last[kind] = new[-1]
-        d, s = last["diff"], last["standard"]
-        progress.write(
-            f"{d['step']:>6} {d['val_loss']:>14.4f} {s['val_loss']:>13.4f} {d['val_bpb']:>9.3f} {s['val_bpb']:>8.3f} "
-            f"{d['tokens_per_s']:>11,.0f} {s['tokens_per_s']:>10,.0f}"
-        )
+            rows[kind].extend(trainers[kind].fit(until=step))
+            if not validates:  # steps timed without a validation or a checkpoint: the same work for both
+                seconds[kind] += time.perf_counter() - start
+        timed += not validates
+        if validates:
+            d, s = rows["diff"][-1], rows["standard"][-1]
+            progress.write(
+                f"{step:>6} {d['val_loss']:>14.4f} {s['val_loss']:>13.4f} {d['val_bpb']:>9.3f} {s['val_bpb']:>8.3f}"
+            )
     progress.close()
     for trainer in trainers.values():
         trainer.close()  # both runs are complete: release their directories
+    ratio = seconds["diff"] / seconds["standard"] if timed else math.nan
+    if timed:
+        print(
+            f"\ntraining step time, DIFF / standard: {ratio:.2f} (the two models' steps timed in turn over the {timed} "
+            "steps without a validation, so a load on the machine slows both alike; a ratio, not a speed: "
+            "`difftx bench` measures speeds)"
+        )
 
     tok = trainers["diff"].tokenizer
     samples = {kind: [] for kind in KINDS}
@@ -175,9 +185,10 @@ def run_demo(
         "batch_size": batch_size,
         "threads": torch.get_num_threads(),
         "parameters": {"diff": n_diff, "standard": n_std},
-        "seconds": seconds,
+        "step_seconds": {k: seconds[k] / timed if timed else None for k in KINDS},  # each model's, timed in turn
+        "timed_steps": timed,
+        "step_time_ratio": ratio if timed else None,
         "final": {k: {key: rows[k][-1][key] for key in ("val_loss", "val_bpb", "loss")} for k in KINDS},
-        "tokens_per_s": {k: steps * batch_size * seq_len / seconds[k] for k in KINDS},
         "lambda_final": rows["diff"][-1]["lambda"],
         "map": props,
         "samples": samples,
@@ -185,8 +196,9 @@ def run_demo(
     write_report(run_dir, rows, summary)
     d_loss, s_loss = (summary["final"][k]["val_loss"] for k in KINDS)
     print(
-        f"\nthis demo: DIFF {d_loss:.4f} vs standard {s_loss:.4f} nats/token, DIFF - standard {d_loss - s_loss:+.4f} "
-        f"({(d_loss - s_loss) / s_loss:+.1%}): one seed, one small size (4 differential heads), {steps} steps"
+        f"\nthis demo: DIFF {d_loss:.4f} vs standard {s_loss:.4f} nats per token, DIFF - standard "
+        f"{d_loss - s_loss:+.4f} ({(d_loss - s_loss) / s_loss:+.1%}): one seed, one small size (4 differential "
+        f"heads), {steps} steps each"
     )
     for line in study_context():
         print(line)
@@ -297,13 +309,17 @@ def write_report(run_dir: Path, rows: dict[str, list[dict]], summary: dict) -> N
             [r["loss"] for r in rows[kind]],
             color=color,
             alpha=0.4,
-            label=f"{kind}, training batches",
+            label=f"{NAMES[kind]}, training batches",
         )
         evals = [r for r in rows[kind] if "val_loss" in r]
         ax.plot(
-            [r["step"] for r in evals], [r["val_loss"] for r in evals], "o-", color=color, label=f"{kind}, validation"
+            [r["step"] for r in evals],
+            [r["val_loss"] for r in evals],
+            "o-",
+            color=color,
+            label=f"{NAMES[kind]}, validation",
         )
-    ax.set(xlabel="step", ylabel="loss (nats per byte token)")
+    ax.set(xlabel="step", ylabel="loss (nats per token)")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     finish(fig, run_dir / "loss_curves.png", "tiny DIFF vs standard on CPython's documentation", dpi=120)
 
@@ -320,17 +336,26 @@ def write_report(run_dir: Path, rows: dict[str, list[dict]], summary: dict) -> N
     lines = [
         "# Demo: tiny DIFF vs standard Transformer",
         "",
-        f"Both trained for {summary['steps']} steps of {summary['batch_size']} x {summary['seq_len']} byte tokens on "
-        f"CPython's documentation, same data order and seed, {summary['threads']} thread(s).",
+        f"Both trained for {summary['steps']} steps each of {summary['batch_size']} x {summary['seq_len']} byte tokens "
+        f"on CPython's documentation, one step of each in turn, same data order and seed, {summary['threads']} "
+        "thread(s).",
         "",
         "| | DIFF | standard |",
         "|---|---|---|",
         f"| parameters | {p['diff']:,} | {p['standard']:,} |",
-        f"| final validation loss (nats/token) | {f['diff']['val_loss']:.4f} | {f['standard']['val_loss']:.4f} |",
+        f"| final validation loss (nats per token) | {f['diff']['val_loss']:.4f} | {f['standard']['val_loss']:.4f} |",
         f"| final validation bits per byte | {f['diff']['val_bpb']:.4f} | {f['standard']['val_bpb']:.4f} |",
-        f"| training tokens/s | {summary['tokens_per_s']['diff']:,.0f} | {summary['tokens_per_s']['standard']:,.0f} |",
-        f"| training time (s) | {summary['seconds']['diff']:.1f} | {summary['seconds']['standard']:.1f} |",
         "",
+        *(
+            [
+                f"Training step time, DIFF / standard: {summary['step_time_ratio']:.2f}, the two models' steps timed "
+                f"in turn over the {summary['timed_steps']} steps without a validation (a load on the machine slows "
+                "both alike).",
+                "",
+            ]
+            if summary["timed_steps"]
+            else []
+        ),
         "lambda per layer at the end: " + ", ".join(f"{v:.3f}" for v in summary["lambda_final"]),
         "",
         f"Last layer's differential map on a validation window: rows sum to 1 - lambda (max deviation "

@@ -1,2 +1,2 @@
 """Inference: the key/value cache, generation and sampling, perplexity with lm-eval, activation statistics and
-post-training quantization. Builds on the core and on training's run directories and evaluator."""
+post-training quantization. Builds on the core and the store (run directories, tokenizers, data)."""

@@ -51,7 +51,7 @@ def quiet_third_party(noise: re.Pattern = NOISE) -> Iterator[None]:
 def read_texts(jsonl: str | Path, text_field: str = "text") -> list[str]:
     """The non-blank texts of a JSONL file; a file without one is refused (there is nothing to score)."""
     from difftransformer.errors import InputError
-    from difftransformer.training.corpus import iter_documents
+    from difftransformer.store.corpus import iter_documents
 
     if not Path(jsonl).is_file():
         raise FileNotFoundError(f"{jsonl} does not exist or is not a file")

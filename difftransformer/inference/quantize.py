@@ -22,8 +22,8 @@ from difftransformer.errors import InputError
 from difftransformer.fsutil import check_new_dir, write_new_dir, write_text_atomic
 from difftransformer.inference.magnitudes import MagnitudeStats
 from difftransformer.progress import Progress, batches
-from difftransformer.training.checkpoint import list_checkpoints, save_checkpoint
-from difftransformer.training.runs import MODEL_CONFIG, QUANTIZATION, load_run, read_quantization, run_windows
+from difftransformer.store.checkpoint import list_checkpoints, save_checkpoint
+from difftransformer.store.runs import MODEL_CONFIG, QUANTIZATION, load_run, read_quantization, run_windows
 
 CALIBRATORS = ("absmax", "percentile")
 

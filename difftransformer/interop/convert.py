@@ -22,9 +22,9 @@ from difftransformer.errors import InputError
 from difftransformer.fsutil import read_json_object, write_new_dir, write_text_atomic
 from difftransformer.interop.hf import calibrate_subln, diff_from_standard, from_hf, rope_entries, to_hf
 from difftransformer.interop.model_card import CARD, model_card, training_record
-from difftransformer.training.checkpoint import PREFIX, list_checkpoints
-from difftransformer.training.runs import load_run, names_checkpoint, save_run
-from difftransformer.training.tokenizer import EOT, HF_FILE, ByteTokenizer, HFTokenizer, read_tokenizer_file
+from difftransformer.store.checkpoint import PREFIX, list_checkpoints
+from difftransformer.store.runs import load_run, names_checkpoint, save_run
+from difftransformer.store.tokenizer import EOT, HF_FILE, ByteTokenizer, HFTokenizer, read_tokenizer_file
 
 ARCHITECTURES = ("DiffLlamaForCausalLM", "LlamaForCausalLM")
 
@@ -86,7 +86,7 @@ def _calibration_tokens(tokenizer, max_len: int, rows: int = 4, length: int = 25
     """A few windows of the built-in corpus in the model's tokenizer, to calibrate a converted model."""
     import torch
 
-    from difftransformer.training.corpus import pydocs_documents
+    from difftransformer.store.corpus import pydocs_documents
 
     length = min(length, max_len)
     ids: list[int] = []

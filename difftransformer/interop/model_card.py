@@ -16,7 +16,7 @@ import torch
 
 from difftransformer.core.model import TransformerLM
 from difftransformer.fsutil import read_json_object
-from difftransformer.training.runs import METRICS, TRAIN_CONFIG
+from difftransformer.store.runs import METRICS, TRAIN_CONFIG
 
 CARD = "README.md"
 PAPER = "https://arxiv.org/abs/2410.05258"

@@ -1,2 +1,3 @@
-"""Training: tokenizers, corpora and token data, the training configuration and loop, checkpoints, data
-parallelism, interrupts, and the run directory (its layout and ``load_run``). Builds on the core."""
+"""Training: the training configuration and loop, the optimizer step, evaluation during training, data parallelism,
+interrupts, health checks and metric tracking. Builds on the core and the store (run directories, checkpoints,
+tokenizers, data)."""

@@ -32,6 +32,7 @@ RESUMABLE = (
     "log_to",
     "ckpt_interval",
     "keep_last",
+    "keep_best",
     "max_nonfinite_steps",
     "collective_timeout",
 )
@@ -93,6 +94,13 @@ class TrainConfig:
     )
     ckpt_interval: int = field(default=500, metadata=_help("steps between checkpoints"))
     keep_last: int = field(default=3, metadata=_help("checkpoints kept, 0 for all"))
+    keep_best: bool = field(
+        default=False,
+        metadata=_help(
+            "validate at every checkpoint and keep the one with the lowest validation loss besides the newest "
+            "`keep_last` (the end summary names it)"
+        ),
+    )
     seed: int = field(default=0, metadata=_help("seed of the initialisation and the data order"))
     device: str = field(default="auto", metadata=_help("auto, cpu, cuda, cuda:N or mps"))
     dtype: str = field(
@@ -159,6 +167,7 @@ class TrainConfig:
         self.log_to = ",".join(sinks)
         check.integer("eval_tokens", 1, 1 << 40)
         check.integer("keep_last", 0, 1 << 20)
+        check.boolean("keep_best")
         check.integer("seed", 0, (1 << 63) - 1)
         if (problem := device_problem(self.device)) is not None:
             check.fail("device", problem)
@@ -263,7 +272,7 @@ def device_problem(device: object) -> str | None:
 def resume_config(run_dir: str | Path, max_steps: int | None = None, **changes: Any) -> TrainConfig:
     """The TrainConfig saved in a run directory, with ``changes`` applied: the fields in RESUMABLE may change,
     the others only be repeated with their saved value. The run is resumed where it lies (``out`` = run_dir)."""
-    from difftransformer.training.runs import TRAIN_CONFIG, refuse_quantized
+    from difftransformer.store.runs import TRAIN_CONFIG, refuse_quantized
 
     refuse_quantized(Path(run_dir), "train further")
     path = Path(run_dir) / TRAIN_CONFIG

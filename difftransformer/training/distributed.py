@@ -11,6 +11,7 @@ process, DDP and FSDP alike.
 
 from __future__ import annotations
 
+import atexit
 import os
 import re
 from dataclasses import dataclass
@@ -37,10 +38,26 @@ class World:
     rank: int = 0
     size: int = 1
     device: torch.device = torch.device("cpu")
+    owns_group: bool = False  # init_world joined the process group: leave_world leaves it (a caller's group stays)
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+
+_group_broke = False  # group_failure has seen the group break: it is not destroyed (torchrun ends the processes)
+
+
+def leave_world(world: World) -> None:
+    """Leave the process group that ``init_world`` joined for ``world`` (once; a group the caller made is left to
+    the caller; a group that broke is not touched). A process that ends with its group still up can abort at exit
+    (gloo's worker threads outlive the interpreter: SIGABRT, 'terminate called without an active exception', after
+    a run that finished), and NCCL warns that the group was not destroyed. ``Trainer.close`` calls it when the run
+    ends without an error; init_world registers it at exit for the rest (after an error, the group stays up until
+    the error is reported: ``group_failure`` reads it)."""
+    if world.owns_group and dist.is_initialized() and not _group_broke:
+        dist.destroy_process_group()
+    world.owns_group = False
 
 
 def init_world(device: str = "auto", timeout: float = 600) -> World:
@@ -51,7 +68,8 @@ def init_world(device: str = "auto", timeout: float = 600) -> World:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     launched = size > 1 or "TORCHELASTIC_RUN_ID" in os.environ  # torchrun: a group even of one process (its
     # collectives then run for real, as in benchmarks/gpu.sh's check of NCCL on one GPU)
-    if launched and not dist.is_initialized():
+    owns = launched and not dist.is_initialized()
+    if owns:
         backend = "nccl" if device == "cuda" else "gloo"
         wait = timedelta(seconds=timeout)
         store = _attempt_store(wait)
@@ -63,8 +81,12 @@ def init_world(device: str = "auto", timeout: float = 600) -> World:
     if device == "cuda":
         local = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local)
-        return World(rank, size, torch.device("cuda", local))
-    return World(rank, size, torch.device(device))
+        world = World(rank, size, torch.device("cuda", local), owns)
+    else:
+        world = World(rank, size, torch.device(device), owns)
+    if owns:
+        atexit.register(leave_world, world)
+    return world
 
 
 def _attempt_store(timeout: timedelta):
@@ -190,6 +212,8 @@ def group_failure(err: BaseException) -> str | None:
     )
     if not broken:
         return None
+    global _group_broke
+    _group_broke = True
     first = text.strip().splitlines()[0] if text.strip() else type(err).__name__
     detail = re.sub(r"^\[[^\]]*\]\s*", "", first).split(". ")[0]  # without the source location and the advice
     return f"process {dist.get_rank()} of {dist.get_world_size()} stopped: the process group failed ({detail})"

@@ -31,30 +31,18 @@ from difftransformer.core.model import TransformerLM
 from difftransformer.errors import ConfigError, InputError, Interrupted, TrainingDiverged
 from difftransformer.fsutil import check_new_dir, write_text_atomic
 from difftransformer.progress import Progress
-from difftransformer.training.checkpoint import (
+from difftransformer.store.checkpoint import (
     clean_stale,
     list_checkpoints,
     load_checkpoint,
     load_model,
+    lowest_val_loss,
     newest_calm,
     save_checkpoint,
+    val_loss_of,
 )
-from difftransformer.training.config import RESUMABLE, TrainConfig, resume_config
-from difftransformer.training.data import TokenData, WindowSampler, data_identity, eval_windows, verify_data
-from difftransformer.training.distributed import (
-    World,
-    all_reduce_max,
-    barrier,
-    full_state,
-    init_world,
-    load_full_state,
-    parallelize,
-    unwrap,
-)
-from difftransformer.training.evaluate import loss_and_bits_per_byte
-from difftransformer.training.health import PROBE_WINDOWS, SPIKE_FACTOR, LossWatch, state_flags, unhealthy_parts
-from difftransformer.training.interrupts import StopSignals
-from difftransformer.training.runs import (
+from difftransformer.store.data import TokenData, WindowSampler, data_identity, eval_windows, verify_data
+from difftransformer.store.runs import (
     LOCK,
     METRICS,
     MODEL_CONFIG,
@@ -67,6 +55,22 @@ from difftransformer.training.runs import (
     refuse_quantized,
     start_checkpoint,
 )
+from difftransformer.store.tokenizer import load_tokenizer
+from difftransformer.training.config import RESUMABLE, TrainConfig, resume_config
+from difftransformer.training.distributed import (
+    World,
+    all_reduce_max,
+    barrier,
+    full_state,
+    init_world,
+    leave_world,
+    load_full_state,
+    parallelize,
+    unwrap,
+)
+from difftransformer.training.evaluate import loss_and_bits_per_byte
+from difftransformer.training.health import PROBE_WINDOWS, SPIKE_FACTOR, LossWatch, state_flags, unhealthy_parts
+from difftransformer.training.interrupts import StopSignals
 from difftransformer.training.step import (
     StepResult,
     autocast_dtype,
@@ -78,10 +82,11 @@ from difftransformer.training.step import (
     rounded_lambdas,
     use_tf32,
 )
-from difftransformer.training.tokenizer import load_tokenizer
 from difftransformer.training.tracking import check_available, open_sinks, parse_sinks
 
 __all__ = ["TrainConfig", "Trainer", "resume_config", "train"]
+
+OVERFIT_PASSES = 4  # passes over the training tokens past which a run is told it may overfit
 
 
 class Trainer:
@@ -205,7 +210,35 @@ class Trainer:
         else:
             self._start_run_dir()
         if self.world.is_main:
-            self.sinks = open_sinks(parse_sinks(cfg.log_to), self.run_dir, self._metric_rows(), self._recipe())
+            self.sinks = open_sinks(parse_sinks(cfg.log_to), self.run_dir, self.metric_rows(), self._recipe())
+        self._note_passes()
+
+    def _note_passes(self) -> None:
+        """A note when the run reads its training tokens more than OVERFIT_PASSES times: past a few passes a model
+        memorises its data (validation loss rises while training loss falls)."""
+        cfg = self.cfg
+        have = self.train_data.n_tokens
+        passes = cfg.max_steps * cfg.batch_size * cfg.seq_len / have
+        if passes <= OVERFIT_PASSES:
+            return
+        keep = (
+            "keep_best keeps the checkpoint with the lowest validation loss"
+            if cfg.keep_best
+            else "to keep the checkpoint with the lowest validation loss, set keep_best (difftx train --keep-best); "
+            "or train on more data or for fewer steps"
+        )
+        self._note(
+            f"this run reads its {have:,} training tokens {passes:.1f} times over ({cfg.max_steps:,} steps of "
+            f"{cfg.batch_size} x {cfg.seq_len} tokens): after about {OVERFIT_PASSES} passes a model starts to "
+            f"memorise its training text and its validation loss to rise; {keep}"
+        )
+
+    def best_checkpoint(self) -> tuple[Path, float] | None:
+        """The kept checkpoint with the lowest validation loss and that loss (checkpoints record it with
+        keep_best, which validates at each); None when none records one."""
+        best = lowest_val_loss(list_checkpoints(self.run_dir))
+        loss = None if best is None else val_loss_of(best)
+        return None if best is None or loss is None else (best, loss)
 
     # run directory -------------------------------------------------------------------------------------------
     def _start_run_dir(self) -> None:
@@ -343,8 +376,8 @@ class Trainer:
             kept = "".join(r + "\n" for r, step in steps if step is not None and step <= self.step_idx)
             write_text_atomic(metrics, kept)
 
-    def _metric_rows(self) -> list[dict]:
-        """The rows of metrics.jsonl."""
+    def metric_rows(self) -> list[dict]:
+        """The rows of metrics.jsonl: the run's, from its first step."""
         lines = (self.run_dir / METRICS).read_text(errors="replace").splitlines()
         return [json.loads(line) for line in lines if line.strip()]
 
@@ -359,11 +392,16 @@ class Trainer:
         return False
 
     def close(self) -> None:
-        """Close the metric sinks and release the run directory (another trainer may then resume it)."""
+        """Close the metric sinks, release the run directory (another trainer may then resume it) and, when no
+        error is on its way up, leave the process group if this trainer joined it (``leave_world``; after an error
+        the group is left at exit, once the error has been read: a broken group's error names the group only while
+        the group is up)."""
         self._close_sinks()
         if self.lock is not None:
             self.lock.release()
             self.lock = None
+        if sys.exc_info()[1] is None:  # called from a `finally` or `except` of an error: that error is on its way
+            leave_world(self.world)
 
     def _close_sinks(self) -> None:
         sinks, self.sinks = self.sinks, []
@@ -374,9 +412,10 @@ class Trainer:
         if self.world.is_main:
             print(f"note: {text}", file=sys.stderr, flush=True)
 
-    def save(self) -> Path | None:
+    def save(self, val_loss: float | None = None) -> Path | None:
         """Write a checkpoint of the current step (once per step) if the state is healthy, else raise
-        TrainingDiverged; returns its directory on the main process."""
+        TrainingDiverged; returns its directory on the main process. ``val_loss``: the validation loss of these
+        weights, recorded for keep_best."""
         flags, probe = self._health()
         if min(flags) < 1:
             raise self._diverged(f"at step {self.step_idx}, {unhealthy_parts(flags)}")
@@ -403,7 +442,11 @@ class Trainer:
                 "tokenizer": self.tokenizer.fingerprint(),
                 "data": self.data_record,
             }
-            path = save_checkpoint(self.run_dir, self.step_idx, model_sd, optim_sd, meta, self.cfg.keep_last)
+            if val_loss is not None:
+                meta["val_loss"] = val_loss
+            path = save_checkpoint(
+                self.run_dir, self.step_idx, model_sd, optim_sd, meta, self.cfg.keep_last, self.cfg.keep_best
+            )
         self.saved_step = self.step_idx
         return path
 
@@ -466,20 +509,21 @@ class Trainer:
             result = self.train_step()
             step = self.step_idx
             pending.append((step, result, time.perf_counter()))
-            evaluate = step % cfg.eval_interval == 0 or step == cfg.max_steps
             checkpoint = step % cfg.ckpt_interval == 0 or step == cfg.max_steps
+            evaluate = step % cfg.eval_interval == 0 or step == cfg.max_steps or (checkpoint and cfg.keep_best)
             logs = step % cfg.log_interval == 0
             signalled = self.world.size == 1 and bool(signals.received)  # a host flag: reading it costs nothing
             if not (evaluate or checkpoint or logs or signalled or step == stop):
                 self.progress.update(step, step * tokens_per_step, self._shown_loss)
                 continue
             rows, signum = self._read(pending, signals, logs or evaluate, start, start_step)
-            pending = []
+            pending, val_loss = [], None
             for row in rows:
                 self.updated = self.updated or "skipped" not in row
                 self._guard(row)
                 if row["step"] == step and evaluate:
                     row["val_loss"], row["val_bpb"] = self.validate()
+                    val_loss = row["val_loss"]
                 if row["step"] % cfg.log_interval == 0 or "val_loss" in row or "skipped" in row or "spike" in row:
                     self.log(row)
                     logged.append(row)
@@ -490,7 +534,7 @@ class Trainer:
                     self.on_step(row)
             self.progress.update(step, step * tokens_per_step, self._shown_loss)
             if checkpoint:
-                self.save()
+                self.save(val_loss)
             if signum:
                 self.progress.close()
                 path = self.save() if self.saved_step != step else list_checkpoints(self.run_dir)[-1]

@@ -14,11 +14,11 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from tensorboard.backend.event_processing.event_accumulator import SCALARS, EventAccumulator  # noqa: E402
 
-from difftransformer.training import corpus  # noqa: E402
+from difftransformer.store import corpus  # noqa: E402
+from difftransformer.store.data import prepare  # noqa: E402
+from difftransformer.store.tokenizer import ByteTokenizer  # noqa: E402
 from difftransformer.training.config import TrainConfig, resume_config  # noqa: E402
-from difftransformer.training.data import prepare  # noqa: E402
 from difftransformer.training.loop import Trainer  # noqa: E402
-from difftransformer.training.tokenizer import ByteTokenizer  # noqa: E402
 
 OUT = Path(__file__).with_suffix(".png")
 STOP, CHECKPOINT, STEPS = 70, 50, 120

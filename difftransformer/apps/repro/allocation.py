@@ -27,7 +27,7 @@ from difftransformer.apps.repro.fit import FitSpec, find_models, run_pairs, save
 from difftransformer.apps.repro.tasks import MARK
 from difftransformer.errors import InputError
 from difftransformer.fsutil import write_json
-from difftransformer.training.runs import load_run
+from difftransformer.store.runs import load_run
 
 TASK = "allocation"
 PAPER = {  # docs/paper.md section 3: answer share by depth 0/25/50/75/100%; noise only as a range over depths

@@ -28,9 +28,9 @@ from difftransformer.core.config import ModelConfig
 from difftransformer.core.model import TransformerLM
 from difftransformer.errors import InputError
 from difftransformer.progress import Progress
-from difftransformer.training.runs import MODEL_CONFIG, load_run, save_run
+from difftransformer.store.runs import MODEL_CONFIG, load_run, save_run
+from difftransformer.store.tokenizer import IdTokenizer
 from difftransformer.training.step import lr_at, make_optimizer, optimizer_step
-from difftransformer.training.tokenizer import IdTokenizer
 
 ATTENTIONS = ("diff", "standard")
 CPU = torch.device("cpu")  # one thread per model, several models at a time

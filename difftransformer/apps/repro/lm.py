@@ -41,13 +41,13 @@ from difftransformer.core.model import count_parameters
 from difftransformer.errors import InputError, Interrupted, TrainingDiverged
 from difftransformer.fsutil import open_plan, read_json_object, write_text_atomic
 from difftransformer.progress import Progress
-from difftransformer.training import corpus
+from difftransformer.store import corpus
+from difftransformer.store.data import TokenData, eval_windows, is_val_document, prepare, read_manifest
+from difftransformer.store.runs import METRICS, TRAIN_CONFIG
 from difftransformer.training.config import TrainConfig, resume_config
-from difftransformer.training.data import TokenData, eval_windows, is_val_document, prepare, read_manifest
 from difftransformer.training.evaluate import token_losses
 from difftransformer.training.interrupts import StopSignals
 from difftransformer.training.loop import Trainer, step_of
-from difftransformer.training.runs import METRICS, TRAIN_CONFIG
 from difftransformer.training.step import layer_lambdas
 
 PARTS = ("sweep", "grid", "ablations")
@@ -261,7 +261,7 @@ def study_documents(corpora: list[str | Path], read: bool = True) -> tuple[list[
 def ensure_data(out: Path, scale: Scale, corpora: list[str | Path]) -> Path:
     """out/data, prepared once: BPE trained on the training documents, then every document tokenised whole into
     its split (``split="documents"``)."""
-    from difftransformer.training.tokenizer import train_bpe
+    from difftransformer.store.tokenizer import train_bpe
 
     data = out / "data"
     if (data / "manifest.json").is_file():

@@ -41,12 +41,12 @@ from difftransformer.core.config import ModelConfig
 from difftransformer.core.model import TransformerLM, count_parameters
 from difftransformer.errors import InputError
 from difftransformer.fsutil import open_plan, read_json_object, write_text_atomic
-from difftransformer.training.checkpoint import list_checkpoints, load_checkpoint
+from difftransformer.store.checkpoint import list_checkpoints, load_checkpoint
+from difftransformer.store.data import TokenData, WindowSampler, eval_windows
+from difftransformer.store.runs import METRICS
 from difftransformer.training.config import resume_config
-from difftransformer.training.data import TokenData, WindowSampler, eval_windows
 from difftransformer.training.distributed import load_full_state
 from difftransformer.training.loop import Trainer
-from difftransformer.training.runs import METRICS
 from difftransformer.training.step import autocast_dtype, lr_at, make_optimizer, optimizer_step
 
 LONG = lm.LONG_PLAN  # the plan

@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from difftransformer.training.data import TokenData
+from difftransformer.store.data import TokenData
 
 RECALL_ORDER = 2  # a hit repeats a 3-gram: two tokens of prefix and the target
 

@@ -31,9 +31,9 @@ from difftransformer.core.attention.logits import LogitQuantizer, logit_probe
 from difftransformer.errors import InputError
 from difftransformer.fsutil import open_plan, read_json_object, write_text_atomic
 from difftransformer.inference.quantize import CALIB_SAMPLES
-from difftransformer.training.data import TokenData, eval_windows
+from difftransformer.store.data import TokenData, eval_windows
+from difftransformer.store.runs import load_run
 from difftransformer.training.evaluate import token_losses
-from difftransformer.training.runs import load_run
 
 PLAN = "quant.json"
 BITS = (16, 8, 6, 4)

@@ -97,7 +97,15 @@ def finish(fig, path: Path, title: str, dpi: int = 110) -> None:
     fig.suptitle(title, fontsize=12)
     if handles:
         ncol = len(handles) if len(handles) <= 6 else min(5, math.ceil(len(handles) / 2))
-        fig.legend(handles.values(), handles.keys(), loc="outside lower center", ncol=ncol, fontsize=9, frameon=False)
+        renderer = fig.canvas.get_renderer()
+        while True:  # as many columns as fit the figure's width (a wider legend is cut off at both edges)
+            legend = fig.legend(
+                handles.values(), handles.keys(), loc="outside lower center", ncol=ncol, fontsize=9, frameon=False
+            )
+            if ncol == 1 or legend.get_window_extent(renderer).width <= 0.98 * fig.bbox.width:
+                break
+            legend.remove()
+            ncol -= 1
     for ax in fig.axes:
         ax.tick_params(labelsize=9)
     fig.savefig(path, dpi=dpi)

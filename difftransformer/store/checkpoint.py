@@ -5,7 +5,8 @@ optimizer's tensors keyed ``<param name>/<state name>``) and ``state.json`` (ste
 optimizer hyper-parameters, metrics). A checkpoint is written into a temporary directory, every file is
 fsync'ed, and the directory is renamed into place, so a crash while writing never damages the last good
 checkpoint; only then are checkpoints beyond the newest ``keep_last`` deleted (but not the newest calm one while
-every kept one was written during a loss spike: training/health.py). A failed write (a full disk)
+every kept one was written during a loss spike: training/health.py, nor, with ``keep_best``, the one whose recorded
+validation loss is lowest). A failed write (a full disk)
 removes its temporary directory; ``clean_stale`` removes those of killed writes.
 
 Every file carries a SHA-256 digest of its content (the tensors' names, dtypes, shapes and bytes in the safetensors
@@ -18,6 +19,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
@@ -76,8 +78,10 @@ def save_checkpoint(
     optim_state: dict,
     meta: dict,
     keep_last: int = 3,
+    keep_best: bool = False,
 ) -> Path:
-    """Write checkpoint ``step`` atomically and prune older ones; returns its directory."""
+    """Write checkpoint ``step`` atomically and prune older ones (``keep_best``: not the one whose state.json
+    records the lowest ``val_loss``); returns its directory."""
     root = Path(run_dir) / CKPT_DIR
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"{PREFIX}{step:08d}"
@@ -116,14 +120,15 @@ def save_checkpoint(
     else:
         tmp.rename(final)
     _fsync_dir(root)
-    for stale in _stale(list_checkpoints(run_dir), keep_last):
+    for stale in _stale(list_checkpoints(run_dir), keep_last, keep_best):
         shutil.rmtree(stale)
     return final
 
 
-def _stale(checkpoints: list[Path], keep_last: int) -> list[Path]:
+def _stale(checkpoints: list[Path], keep_last: int, keep_best: bool = False) -> list[Path]:
     """The checkpoints that keep-last deletes: all but the newest ``keep_last`` (none for 0), except the newest
-    calm one when every kept checkpoint was written during a loss spike (training/health.py)."""
+    calm one when every kept checkpoint was written during a loss spike (training/health.py), and with
+    ``keep_best`` the one with the lowest validation loss."""
     if keep_last <= 0 or len(checkpoints) <= keep_last:
         return []
     stale = checkpoints[:-keep_last]
@@ -131,17 +136,39 @@ def _stale(checkpoints: list[Path], keep_last: int) -> list[Path]:
         calm = [p for p in stale if is_calm(p)]
         if calm:
             stale.remove(calm[-1])
+    best = lowest_val_loss(checkpoints) if keep_best else None
+    if best is not None and best in stale:
+        stale.remove(best)
     return stale
+
+
+def _recorded(checkpoint: Path) -> dict:
+    """A checkpoint's state.json as written, unchecked (empty when unreadable): for what pruning reads."""
+    try:
+        state = json.loads((checkpoint / STATE_FILE).read_bytes())
+    except (OSError, ValueError):
+        return {}
+    return state if isinstance(state, dict) else {}
+
+
+def val_loss_of(checkpoint: Path) -> float | None:
+    """The validation loss a checkpoint's state.json records (None: not validated when written)."""
+    value = _recorded(checkpoint).get("val_loss")
+    return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else None
+
+
+def lowest_val_loss(checkpoints: list[Path]) -> Path | None:
+    """The checkpoint with the lowest recorded validation loss (the earliest of equal ones; None if none has one)."""
+    scored = [(loss, p) for p in checkpoints if (loss := val_loss_of(p)) is not None]
+    return min(scored, key=lambda item: item[0])[1] if scored else None
 
 
 def is_calm(checkpoint: Path) -> bool:
     """Whether a checkpoint was written outside a loss spike, as its state.json records (True for checkpoints
     written before the record existed, False for an unreadable state.json)."""
-    try:
-        health = json.loads((checkpoint / STATE_FILE).read_bytes()).get("health", {})
-        return bool(health.get("calm", True))
-    except (OSError, ValueError, AttributeError):
-        return False
+    state = _recorded(checkpoint)
+    health = state.get("health", {})
+    return bool(state) and isinstance(health, dict) and bool(health.get("calm", True))
 
 
 def newest_calm(run_dir: str | Path) -> Path | None:

@@ -28,7 +28,7 @@ import torch
 
 from difftransformer.errors import ConfigError, Fields, InputError
 from difftransformer.fsutil import read_json_object, write_new_dir, write_text_atomic
-from difftransformer.training.tokenizer import Tokenizer, load_tokenizer
+from difftransformer.store.tokenizer import Tokenizer, load_tokenizer
 
 MANIFEST = "manifest.json"
 VERIFIED = ".verified.json"  # shards whose checksum matched, keyed by name, size and modification time

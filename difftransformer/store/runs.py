@@ -21,7 +21,7 @@ from difftransformer.core.model import TransformerLM
 from difftransformer.core.quantized import SCHEMES, quantized_shell
 from difftransformer.errors import InputError
 from difftransformer.fsutil import read_json_object, write_new_dir
-from difftransformer.training.checkpoint import (
+from difftransformer.store.checkpoint import (
     CKPT_DIR,
     MODEL_FILE,
     PREFIX,
@@ -29,8 +29,8 @@ from difftransformer.training.checkpoint import (
     load_model,
     save_checkpoint,
 )
-from difftransformer.training.data import TokenData, eval_windows
-from difftransformer.training.tokenizer import Tokenizer, load_tokenizer
+from difftransformer.store.data import TokenData, eval_windows
+from difftransformer.store.tokenizer import Tokenizer, load_tokenizer
 
 MODEL_CONFIG = "model_config.json"
 TRAIN_CONFIG = "train_config.json"

@@ -1,0 +1,48 @@
+"""`difftx demo` and `difftx presets`."""
+
+from __future__ import annotations
+
+import argparse
+
+from difftransformer.apps.cli.parsing import at_least, command
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from difftransformer.apps.demo import run_demo
+
+    run_demo(steps=args.steps, out=args.out, data=args.data)
+    return 0
+
+
+def _presets(args: argparse.Namespace) -> int:
+    from difftransformer.core.config import PRESETS, ModelConfig
+    from difftransformer.core.model import count_parameters
+
+    print(
+        f"{'preset':>8} {'d_model':>7} {'layers':>6} {'heads':>5} {'DIFF heads':>10} {'vocabulary':>10} "
+        f"{'DIFF params':>15} {'standard params':>15}"
+    )
+    for name in PRESETS:
+        cfg = ModelConfig.preset(name)
+        n_diff = count_parameters(cfg)
+        n_std = count_parameters(ModelConfig.preset(name, attention="standard"))
+        print(
+            f"{name:>8} {cfg.d_model:>7} {cfg.n_layers:>6} {cfg.n_heads:>5} {cfg.attention_heads:>10} "
+            f"{cfg.vocab_size:>10,} {n_diff:>15,} {n_std:>15,}"
+        )
+    print(
+        "A run takes its vocabulary from its data's tokenizer: the byte tokenizer's 257 tokens (256 bytes and an "
+        "end-of-document token; the demo's) add one embedding row and one output row to a 256-token preset"
+    )
+    return 0
+
+
+def demo_command(sub) -> None:
+    demo = command(sub, "demo", _demo, "train the tiny DIFF / standard pair side by side and write a report")
+    demo.add_argument("--steps", type=at_least(1), default=240, help="training steps of each model")
+    demo.add_argument("--out", default="runs/demo", help="report directory (a free name is chosen next to it)")
+    demo.add_argument("--data", default="data/pydocs", help="where the built-in corpus is prepared (reused)")
+
+
+def presets_command(sub) -> None:
+    command(sub, "presets", _presets, "list the model presets with DIFF and standard parameter counts")

@@ -1,0 +1,98 @@
+"""`difftx`'s entry point and its exit codes, in one place: every error a user can cause becomes one line on stderr
+and its exit code."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from difftransformer.apps.cli.parser import build_parser
+from difftransformer.apps.cli.parsing import fail, flag_namer
+from difftransformer.errors import name_fields
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one command. Exit codes: 0 done, 2 bad input or a file problem (one line on stderr), 3 training
+    diverged, 4 another process of the group failed (torchrun), 130/143 interrupted by SIGINT/SIGTERM, 1 a defect
+    (with its traceback: please report it)."""
+    try:
+        if _start_up_interrupted():
+            return fail("difftx", "stopped by SIGINT", code=130, label="interrupted")
+        return _main(argv)
+    except KeyboardInterrupt:  # before the command started (imports, parsing): nothing was written
+        return fail("difftx", "stopped by SIGINT", code=130, label="interrupted")
+
+
+def _start_up_interrupted() -> bool:
+    """Import torch, the slow part of every command's start-up, with SIGINT held back until it is done (an
+    import cut short by KeyboardInterrupt can leave a module half-initialised, and a library's bare ``except``
+    can swallow it); True if a SIGINT came meanwhile."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        import torch  # noqa: F401
+
+        return False
+    received: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, _frame: received.append(signum))
+    try:
+        import torch  # noqa: F401
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    return bool(received)
+
+
+def _main(argv: list[str] | None) -> int:
+    from difftransformer.errors import (
+        OPTIONAL_EXTRA,
+        ConfigError,
+        InputError,
+        Interrupted,
+        TrainingDiverged,
+    )
+
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as done:  # --help, --version, or a malformed command line (already printed)
+        return done.code
+    where = args.parser.prog
+    try:
+        return args.func(args)
+    except ConfigError as err:
+        return fail(where, err.render(flag_namer(args.parser, err.owner)))
+    except InputError as err:
+        return fail(where, name_fields(str(err), flag_namer(args.parser)))
+    except OSError as err:
+        return fail(where, name_fields(str(err), flag_namer(args.parser)))
+    except TrainingDiverged as err:
+        return fail(where, name_fields(str(err), flag_namer(args.parser)), code=3)
+    except Interrupted as err:
+        return fail(where, str(err), code=128 + err.signum, label="interrupted")
+    except KeyboardInterrupt:
+        return fail(where, "stopped by SIGINT", code=130, label="interrupted")
+    except MemoryError:
+        return fail(where, "out of memory: use a smaller model, batch or sequence length")
+    except ModuleNotFoundError as err:
+        extra = OPTIONAL_EXTRA.get((err.name or "").split(".")[0])
+        if extra is None:
+            raise
+        extra = "eval" if args.command == "eval" else extra  # lm-eval needs transformers too: one install for both
+        return fail(where, f"this needs {err.name.split('.')[0]}, an optional dependency: pip install "
+                     f"'difftransformer[{extra}]'")  # fmt: skip
+    except BrokenPipeError:  # the reader went away (difftx ... | head): nothing more to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes stdout
+        return 0
+    except RuntimeError as err:
+        if type(err).__name__ == "OutOfMemoryError":  # torch.OutOfMemoryError, without importing torch here
+            first = str(err).splitlines()[0]
+            return fail(where, f"out of memory on the device ({first}): use a smaller batch or model")
+        from difftransformer.training.distributed import group_failure
+
+        if (failure := group_failure(err)) is None:
+            raise
+        problem = (
+            f"{failure}: another process of the group stopped first (torchrun's report names it; its own error, if "
+            "it printed one, is above) or hangs (`collective_timeout`)"
+        )
+        return fail(where, name_fields(problem, flag_namer(args.parser)), code=4)

@@ -1,0 +1,113 @@
+"""What every command's parser shares: the one-line error parser, help with defaults, flags built from a config
+dataclass, the flag that names a field, the UTF-8 check of text flags, and the one-line failure message."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+
+from difftransformer.errors import name_fields
+
+
+def command(sub, name: str, func, help: str | None = None) -> argparse.ArgumentParser:
+    command = sub.add_parser(name, help=help, description=help)
+    command.set_defaults(func=func, parser=command)
+    return command
+
+
+def config_flags(parser, config, skip: tuple[str, ...] = (), defaults: dict[str, str] | None = None) -> None:
+    """One flag per field of the dataclass ``config`` (help, choices and defaults from the fields' metadata). The flags
+    default to None, so that only what the user gives reaches the config (and a resume can tell what was given)."""
+    for f in dataclasses.fields(config):
+        if f.name in skip:
+            continue
+        meta = f.metadata
+        default = (defaults or {}).get(f.name) or meta.get("default")
+        if default is None and f.default is not dataclasses.MISSING:
+            default = f.default
+        elif default is None and f.default_factory is not dataclasses.MISSING:
+            default = json.dumps(f.default_factory())
+        shown = "" if default is None else f" (default {default})"
+        text = name_fields(meta["help"], lambda name: "--" + name.replace("_", "-")) + shown
+        flag = "--" + f.name.replace("_", "-")
+        kind = str(f.type)
+        if kind == "bool":
+            parser.add_argument(flag, action="store_true", default=None, help=text)
+            continue
+        convert = int if kind.startswith("int") else float if kind.startswith("float") else str
+        metavar = "JSON" if kind.startswith("dict") else None
+        parser.add_argument(flag, type=convert, choices=meta.get("choices"), metavar=metavar, help=text)
+
+
+class Formatter(argparse.HelpFormatter):
+    """Every flag's help ends with its default, unless the default is None or False or the help already says it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        hidden = action.default is None or action.default is False or action.default == argparse.SUPPRESS
+        if not hidden and "(default" not in text:
+            shown = " ".join(map(str, action.default)) if isinstance(action.default, list) else action.default
+            text += f" (default {shown})".replace("%", "%%")
+        return text
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (no usage block): the message and where to find help; help shows defaults."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("formatter_class", Formatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str) -> None:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def at_least(low: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid integer value: {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        return value
+
+    parse.__name__ = f"integer >= {low}"
+    return parse
+
+
+def flag_namer(parser: argparse.ArgumentParser, owner: str | None = None):
+    """Field name -> the flag that sets it in this command (``n_layers (in --model)`` for model fields); a field
+    without a flag keeps its name (``owner.field`` for a config's)."""
+    flags = {a.dest: a.option_strings[-1] for a in parser._actions if a.option_strings}
+
+    def name_of(field: str) -> str:
+        if field in flags:
+            return flags[field]
+        if owner == "ModelConfig" and "model" in flags:
+            return f"{field} (in --model)"
+        return f"`{field}`" if owner is None else f"{owner}.{field}"
+
+    return name_of
+
+
+def check_utf8(text: str, flag: str) -> None:
+    """Refuse an argument that is not UTF-8 text (Python keeps such bytes as lone surrogates)."""
+    from difftransformer.errors import InputError
+
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        byte = ord(text[err.start]) - 0xDC00 if "\udc80" <= text[err.start] <= "\udcff" else None
+        what = f"byte 0x{byte:02x}" if byte is not None else f"character {text[err.start]!r}"
+        raise InputError(
+            f"{flag} is not valid UTF-8 ({what} at position {err.start}): give text in UTF-8 (check the terminal's "
+            "encoding)"
+        ) from None
+
+
+def fail(where: str, message: str, code: int = 2, label: str = "error") -> int:
+    print(f"{where}: {label}: {' '.join(message.split())}", file=sys.stderr, flush=True)
+    return code
