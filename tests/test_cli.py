@@ -6,7 +6,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 from conftest import optional
 
 from difftransformer.apps.cli import main
@@ -24,7 +23,7 @@ def test_demo_trains_both_and_writes_a_report(capsys, tmp_path, prepared):
     out, err = capsys.readouterr()
     assert "tiny DIFF: 1,345,984 parameters (4 differential heads); tiny standard: 1,345,408 (8 heads)" in out
     assert "val loss DIFF" in out and "val loss std" in out
-    assert "about 5 minutes on 2 idle CPU cores" in out and "lower is better" in out  # how long, what it means
+    assert "about 6 minutes on 2 idle CPU cores" in out and "lower is better" in out  # how long, what it means
     assert "the committed study (`difftx repro lm --scale cpu" in out  # the numbers to read this one against
     assert "demo, DIFF and standard in turn  8/8 steps" in err  # the live line counts each model's steps
     assert "the byte tokenizer has 257, the 256 bytes and an end-of-document token" in out  # vs difftx presets

@@ -1,5 +1,5 @@
-"""The documentation: every tutorial's code runs as written (so that it cannot rot), the command-line page names
-every command, and the README tells a new user where `difftx` is."""
+"""The documentation: every block of the README and of each tutorial runs as written (so that they cannot rot), the
+command-line page names every command, and the README tells a new user where `difftx` is."""
 
 from __future__ import annotations
 
@@ -25,21 +25,60 @@ def test_the_four_tutorials_exist_and_have_code():
         assert len(kinds) >= 3, f"{page.name} has {len(kinds)} runnable blocks"
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("page", TUTORIALS, ids=lambda p: p.stem)
-def test_tutorial_runs_as_written(page, tmp_path, monkeypatch):
-    """Each python and bash block of the page, in order, in an empty directory: python blocks share one namespace
-    (as in one session), bash blocks run with this environment's difftx first on PATH."""
-    monkeypatch.chdir(tmp_path)
+def run_blocks(text: str, name: str) -> dict:
+    """Each python and bash block of ``text``, in order, in the working directory: python blocks share one
+    namespace (as in one session), which is returned; bash blocks run with this environment's difftx first on PATH."""
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
-    namespace: dict = {"__name__": "__tutorial__"}
-    for i, (kind, code) in enumerate(BLOCK.findall(page.read_text())):
-        where = f"{page.name}, block {i + 1} ({kind})"
+    namespace: dict = {"__name__": "__docs__"}
+    for i, (kind, code) in enumerate(BLOCK.findall(text)):
+        where = f"{name}, block {i + 1} ({kind})"
         if kind == "python":
-            exec(compile(code, where, "exec"), namespace)  # noqa: S102 - the tutorial's own code
+            exec(compile(code, where, "exec"), namespace)  # noqa: S102 - the page's own code
             continue
         done = subprocess.run(["bash", "-euo", "pipefail", "-c", code], env=env, capture_output=True, text=True)
         assert done.returncode == 0, f"{where} failed:\n{code}\n--- stdout\n{done.stdout}\n--- stderr\n{done.stderr}"
+    return namespace
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("page", TUTORIALS, ids=lambda p: p.stem)
+def test_tutorial_runs_as_written(page, tmp_path, monkeypatch):
+    """Every python and bash block of the page, in order, in an empty directory."""
+    monkeypatch.chdir(tmp_path)
+    run_blocks(page.read_text(), page.name)
+
+
+# The README's blocks that no test runs: the set-up (`make test` is this suite; `make demo` is run_demo's test at
+# a toy size, tests/test_cli.py) and the install into your own environment (a download). Every other block is
+# fenced as bash or python and runs in test_the_readme_runs_as_written.
+SET_UP = [
+    ["make demo", "make test"],
+    ["pip install torch --index-url https://download.pytorch.org/whl/cpu", 'pip install ".[hf,plot]"'],
+]
+ANY_BLOCK = re.compile(r"^```(\w*)\n(.*?)^```", re.M | re.S)
+
+
+def test_the_readme_starts_with_the_two_commands_and_runs_every_other_block():
+    blocks = ANY_BLOCK.findall((ROOT / "README.md").read_text())
+    commands = [[line.split("#")[0].strip() for line in code.strip().splitlines()] for _, code in blocks]
+    assert blocks[0][0] == "" and commands[0] == SET_UP[0]  # the README starts with them
+    assert [c for (kind, _), c in zip(blocks, commands, strict=True) if kind == ""] == SET_UP
+    assert {kind for kind, _ in blocks} == {"", "bash", "python"}
+    assert len(BLOCK.findall((ROOT / "README.md").read_text())) == len(blocks) - len(SET_UP)
+
+
+@pytest.mark.slow
+def test_the_readme_runs_as_written(tmp_path, monkeypatch):
+    """The module example's shapes and lambda, then the command-line example: it trains, samples and exports."""
+    import torch
+
+    monkeypatch.chdir(tmp_path)
+    scope = run_blocks((ROOT / "README.md").read_text(), "README.md")
+    assert scope["y"].shape == (2, 64, 1024) and scope["w"].shape == (2, 8, 64, 64)
+    assert scope["logits"].shape == (2, 128, 256)
+    assert abs(scope["attn"].lambda_init - 0.2) < 1e-12 and isinstance(scope["attn"].lambda_full(), torch.Tensor)
+    assert (tmp_path / "runs" / "diff-tiny" / "checkpoints" / "step_00000020" / "model.safetensors").is_file()
+    assert (tmp_path / "hf" / "diff-tiny" / "README.md").read_text().startswith("---\n")
 
 
 def test_cli_page_names_every_command():
@@ -53,7 +92,7 @@ def test_cli_page_names_every_command():
 
 
 def test_readme_says_where_difftx_is():
-    readme = (ROOT / "README.md").read_text()  # (that it starts with the two commands: test_cli.py)
+    readme = (ROOT / "README.md").read_text()
     assert "source .venv/bin/activate" in readme and "make shell" in readme
     makefile = (ROOT / "Makefile").read_text()
     assert "\ndocs:" in makefile
@@ -87,11 +126,11 @@ def test_the_site_builds_and_a_broken_link_fails_the_build(tmp_path):
     assert broken.returncode != 0 and b"missing.md" in broken.stderr
 
 
-def test_gitignore_covers_every_output_the_readme_commands_write():
+def test_gitignore_covers_every_output_the_documented_commands_write():
     if not (ROOT / ".git").exists():
         pytest.skip("not a git checkout (an unpacked sdist): nothing to ignore")
-    readme = (ROOT / "README.md").read_text()
-    written = set(re.findall(r"--(?:out|json) (\S+)", readme))
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    written = {path for page in pages for path in re.findall(r"--(?:out|json) ([^\s`,]+)", page.read_text())}
     written |= {"runs/demo/report.md", "data/pydocs/manifest.json", "runs/diff-tiny/metrics.jsonl"}  # defaults
     written |= {"site/index.html", "dist/difftransformer-0.1.0.tar.gz", ".venv/bin/difftx"}  # make docs, build
     assert len(written) > 20

@@ -23,8 +23,9 @@ PROMPTS = ("Return the ", "The module ", "If the ")
 STUDY = Path(__file__).resolve().parents[2] / "experiments" / "reports" / "lm" / "results.json"
 KINDS = ("diff", "standard")
 NAMES = {"diff": "DIFF", "standard": "standard"}  # in figures
-# `time make demo` with an existing .venv and the corpus not yet prepared, idle 2-core EPYC VM: 4m28s, 4m50s
-EXPECTED = "about 5 minutes on 2 idle CPU cores"
+# `time make demo` with an existing .venv and the corpus not yet prepared, idle 2-core Xeon VM, one step of each
+# model in turn (2026-12-04): 5m36s, of which 5m08s training
+EXPECTED = "about 6 minutes on 2 idle CPU cores"
 
 
 def demo_data(path: Path) -> Path:
