@@ -242,7 +242,7 @@ CASES = [
     ("analyze attention --run {w}/run --prompt-file {w}/bad.txt --out {w}/a.png", "is not valid UTF-8"),
     ("analyze attention --run {w}/run --prompt-file {w}/prompt.txt --out {w}/a.png --layer 9", "--layer 9 is out"),
     ("analyze attention --run {w}/run --prompt-file {w}/prompt.txt --out {w}/a.csv", "must name a .png file"),
-    ("analyze attention --run {w}/run --out {w}/a.png", "analyze attention takes one --run and a --prompt-file"),
+    ("analyze attention --run {w}/run --out {w}/a.png", "the following arguments are required: --prompt-file"),
     ("analyze outliers --run {w}/run --out {w}/taken", "output directory {w}/taken already exists"),
     ("analyze outliers --run {w}/nothing --out {w}/o", "run directory {w}/nothing does not exist"),
     ("analyze outliers --run {w}/run --out {w}/o --tokens 0", "argument --tokens: must be at least 1, got 0"),

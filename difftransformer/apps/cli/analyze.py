@@ -1,4 +1,4 @@
-"""`difftx analyze`."""
+"""`difftx analyze attention` and `difftx analyze outliers`, each with its own flags."""
 
 from __future__ import annotations
 
@@ -8,29 +8,44 @@ from difftransformer.apps.cli.parsing import at_least, command
 
 
 def analyze_command(sub) -> None:
-    analyze = command(
-        sub, "analyze", _analyze, "attention: plots of a run's attention maps; outliers: the paper's Table 5 statistics"
+    analyze = sub.add_parser(
+        "analyze",
+        help="attention: plots of a run's attention maps; outliers: the paper's Table 5 statistics",
+        description="Analyses of trained runs: their attention maps on a prompt, or their activation outliers.",
     )
-    analyze.add_argument(
-        "what", choices=["attention", "outliers"], help="attention maps of a prompt, or activation outliers"
+    modes = analyze.add_subparsers(dest="what", required=True, metavar="MODE")
+    attention = command(
+        modes,
+        "attention",
+        _analyze,
+        "both maps of each head on a prompt and their difference, as one figure",
+        "difftx analyze attention --run runs/diff-tiny --prompt-file prompt.txt --out reports/maps.png",
     )
-    analyze.add_argument(
-        "--run",
-        required=True,
-        action="append",
-        help="a run directory (its newest checkpoint; a repro model is one too); outliers: repeat for more",
+    attention.add_argument("--run", required=True, help="a run directory (its newest checkpoint; a repro model too)")
+    attention.add_argument(
+        "--prompt-file", required=True, help="UTF-8 text (byte and BPE runs) or whitespace-separated token ids"
     )
-    analyze.add_argument("--prompt-file", help="attention: UTF-8 text (byte/BPE runs) or whitespace-separated ids")
-    analyze.add_argument("--out", required=True, help="attention: the PNG to write; outliers: a new directory")
-    analyze.add_argument("--layer", type=int, default=-1, help="attention: layer to show (default the last)")
-    analyze.add_argument(
+    attention.add_argument("--out", required=True, help="the PNG to write (its folder is made)")
+    attention.add_argument("--layer", type=int, default=-1, help="the layer to show (-1: the last)")
+    outliers = command(
+        modes,
+        "outliers",
+        _analyze,
+        "the paper's Table 5: the largest attention logits and hidden states, per layer",
+        "difftx analyze outliers --run runs/diff-tiny --run runs/std-tiny --tokens 65536 --out reports/outliers",
+    )
+    outliers.add_argument(
+        "--run", required=True, action="append", help="a run directory; repeat the flag for more runs"
+    )
+    outliers.add_argument("--out", required=True, help="a new directory for the tables and histograms")
+    outliers.add_argument(
         "--tokens",
         type=at_least(1),
         default=400_000,
-        help="outliers: validation tokens per run (default 400000, as in the paper; fewer when the split is smaller)",
+        help="validation tokens per run (400000 as in the paper; fewer when the split is smaller)",
     )
-    analyze.add_argument("--data", help="outliers: the data directory (default: the one each run was trained on)")
-    analyze.add_argument("--batch", type=at_least(1), default=4, help="outliers: windows per forward pass")
+    outliers.add_argument("--data", help="the data directory (default: the one each run was trained on)")
+    outliers.add_argument("--batch", type=at_least(1), default=4, help="windows per forward pass")
 
 
 def _analyze(args: argparse.Namespace) -> int:
@@ -43,10 +58,6 @@ def _analyze(args: argparse.Namespace) -> int:
         return 0
     from difftransformer.apps.analyze import analyze_attention
 
-    if len(args.run) != 1 or args.prompt_file is None:
-        from difftransformer.errors import InputError
-
-        raise InputError("analyze attention takes one --run and a --prompt-file")
-    path = analyze_attention(args.run[0], args.prompt_file, args.out, args.layer)
+    path = analyze_attention(args.run, args.prompt_file, args.out, args.layer)
     print(f"wrote {path}")
     return 0

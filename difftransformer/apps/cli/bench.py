@@ -1,4 +1,4 @@
-"""`difftx bench`."""
+"""`difftx bench MODE`: one subcommand per benchmark, each with its own flags."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ def _bench(args: argparse.Namespace) -> int:
     from difftransformer.errors import ConfigError
     from difftransformer.training.config import device_problem
 
-    if (problem := device_problem(args.device)) is not None:
+    if (problem := device_problem(getattr(args, "device", "cpu"))) is not None:
         raise ConfigError("bench", "device", problem)
 
     threads = torch.get_num_threads()
@@ -24,10 +24,10 @@ def _bench(args: argparse.Namespace) -> int:
     try:
         if args.what == "attention":
             result = bench.bench_attention(
-                args.seq or [1024, 4096],
+                args.seq,
                 args.dim,
                 args.heads,
-                args.batch or 1,
+                args.batch,
                 args.repeats,
                 device=args.device,
                 dtype=getattr(torch, args.dtype),
@@ -35,24 +35,20 @@ def _bench(args: argparse.Namespace) -> int:
             print(bench.format_attention(result))
         elif args.what == "train":
             result = bench.bench_train(
-                args.preset, args.seq, args.batch or 4, args.repeats, args.device, getattr(torch, args.dtype)
+                args.preset, args.seq, args.batch, args.repeats, args.device, getattr(torch, args.dtype)
             )
             print(bench.format_train(result))
         elif args.what == "threads":
             from difftransformer.apps.bench_threads import bench_threads, format_threads
 
-            result = bench_threads(max(2, args.threads), args.seq, None if args.batch is None else [args.batch],
-                                   args.preset, repeats=args.repeats)  # fmt: skip
+            result = bench_threads(args.threads, args.seq, args.batch, args.preset, repeats=args.repeats)
             print(format_threads(result))
         elif args.what == "context":
             from difftransformer.apps import bench_context
 
-            if not args.json:
-                raise ConfigError("bench", "json", "is needed by bench context: the study's store (the same file again "
-                                  "resumes it)")  # fmt: skip
             budget = None if args.memory_gib is None else int(args.memory_gib * 2**30)
             result = bench_context.bench_context(
-                args.json, args.preset, args.seq, tuple(args.kinds), batch=args.batch or 1, repeats=args.repeats,
+                args.json, args.preset, args.seq, tuple(args.kinds), batch=args.batch, repeats=args.repeats,
                 budget_bytes=budget, max_seconds=args.max_seconds, threads=args.threads,
             )  # fmt: skip
             print(bench_context.format_context(result))
@@ -66,13 +62,11 @@ def _bench(args: argparse.Namespace) -> int:
                     bench_context.figure(result, Path(args.json).with_suffix(".png"))
             return 0  # the store is the JSON, written after each measurement
         elif args.what == "quantized":
-            if args.run is None:
-                raise ConfigError("bench", "run", "is needed by bench quantized: a run made by difftx quantize")
             result = bench.bench_quantized(args.run, args.context, args.tokens, args.repeats)
             print(bench.format_quantized(result))
         else:
             result = bench.bench_decode(
-                args.context, args.preset, args.tokens, args.repeats, args.compile, args.hf, args.batch or 1
+                args.context, args.preset, args.tokens, args.repeats, args.compile, args.hf, args.batch
             )
             print(bench.format_decode(result))
     finally:
@@ -85,33 +79,108 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def bench_command(sub) -> None:
-    bench = command(sub, "bench", _bench, "benchmarks: ratios measured side by side in one run")
-    bench.add_argument(
-        "what", choices=["attention", "train", "decode", "quantized", "threads", "context"], help="what to measure"
+    bench = sub.add_parser(
+        "bench",
+        help="benchmarks: ratios measured side by side in one run",
+        description="Benchmarks: DIFF against the standard model (and Hugging Face) measured side by side in one run, "
+        "medians of interleaved repeats, printed with the machine, threads, dtype and shapes.",
     )
-    bench.add_argument("--run", help="quantized: a run made by difftx quantize (compared with its float source)")
-    bench.add_argument("--context", type=at_least(1), nargs="+", default=[512, 2048], help="decode: prompt lengths")
-    bench.add_argument("--preset", default="small", help="train, decode: the model preset")
-    bench.add_argument("--tokens", type=at_least(1), default=32, help="decode: timed steps per repeat")
-    bench.add_argument(
-        "--seq",
-        type=at_least(1),
-        nargs="+",
-        help="attention, threads: 1024 4096 by default; train: 256 1024 2048; context: 1K to 64K",
+    modes = bench.add_subparsers(dest="what", required=True, metavar="MODE")
+    attention = command(
+        modes,
+        "attention",
+        _bench,
+        "one attention layer, forward and backward, DIFF / standard / HF",
+        "difftx bench attention --seq 1024 4096 --dim 512 --heads 8",
     )
-    bench.add_argument("--dim", type=at_least(1), default=512, help="attention: the model width")
-    bench.add_argument("--heads", type=at_least(2), default=8, help="standard heads (DIFF uses half)")
-    bench.add_argument("--batch", type=at_least(1), help="attention: 1, train: 4, decode: 1, threads: 1 and 4")
-    bench.add_argument("--repeats", type=at_least(1), default=3, help="interleaved repeats; medians are reported")
-    bench.add_argument(
-        "--threads", type=at_least(1), default=1, help="CPU threads (threads: 1 against this, at least 2)"
+    attention.add_argument("--seq", type=at_least(1), nargs="+", default=[1024, 4096], help="sequence lengths")
+    attention.add_argument("--dim", type=at_least(1), default=512, help="the model width")
+    attention.add_argument("--heads", type=at_least(2), default=8, help="standard heads (DIFF uses half)")
+    attention.add_argument("--batch", type=at_least(1), default=1, help="sequences per pass")
+    _device_flags(attention)
+    _common(attention)
+
+    train = command(
+        modes,
+        "train",
+        _bench,
+        "a training step of a preset (forward, backward, AdamW), with achieved FLOP/s",
+        "difftx bench train --preset small --seq 256 1024 --batch 4",
     )
-    bench.add_argument("--device", default="cpu", help="attention, train: cpu or cuda")
-    bench.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="attention/train")
-    bench.add_argument("--compile", action="store_true", help="decode: also each model's step under torch.compile")
-    bench.add_argument("--hf", action="store_true", help="decode: also transformers generate() on the same weights")
-    bench.add_argument("--json", help="also write the results to this JSON file (context: its store, resumed)")
-    bench.add_argument("--kinds", nargs="+", choices=["prefill", "train"], default=["prefill", "train"],
-                       help="context: what to time at each T")  # fmt: skip
-    bench.add_argument("--memory-gib", type=float, help="context: the memory budget (default 80%% of what is free)")
-    bench.add_argument("--max-seconds", type=float, default=1800, help="context: skip a T predicted to take longer")
+    train.add_argument("--preset", default="small", help="the model preset")
+    train.add_argument("--seq", type=at_least(1), nargs="+", default=[256, 1024, 2048], help="sequence lengths")
+    train.add_argument("--batch", type=at_least(1), default=4, help="sequences per step")
+    _device_flags(train)
+    _common(train)
+
+    decode = command(
+        modes,
+        "decode",
+        _bench,
+        "decode tokens/s from a prefilled cache, batch 1 or more",
+        "difftx bench decode --preset small --context 512 2048 --compile",
+    )
+    decode.add_argument("--preset", default="small", help="the model preset")
+    decode.add_argument("--context", type=at_least(1), nargs="+", default=[512, 2048], help="prompt lengths")
+    decode.add_argument("--tokens", type=at_least(1), default=32, help="timed decode steps per repeat")
+    decode.add_argument("--batch", type=at_least(1), default=1, help="prompts decoded together")
+    decode.add_argument("--compile", action="store_true", help="also each model's step under torch.compile")
+    decode.add_argument("--hf", action="store_true", help="also transformers' generate() on the same weights")
+    _common(decode)
+
+    quantized = command(
+        modes,
+        "quantized",
+        _bench,
+        "a quantized run against its float source: size on disk, decode tokens/s",
+        "difftx bench quantized --run runs/diff-tiny-w8a8 --context 128",
+    )
+    quantized.add_argument("--run", required=True, help="a run made by difftx quantize")
+    quantized.add_argument("--context", type=at_least(1), nargs="+", default=[512, 2048], help="prompt lengths")
+    quantized.add_argument("--tokens", type=at_least(1), default=32, help="timed decode steps per repeat")
+    _common(quantized)
+
+    threads = command(
+        modes,
+        "threads",
+        _bench,
+        "the same work at 1 thread and at --threads: a training step and the core",
+        "difftx bench threads --threads 2 --preset small --seq 1024",
+    )
+    threads.add_argument("--preset", default="small", help="the model preset")
+    threads.add_argument("--seq", type=at_least(1), nargs="+", default=[1024, 4096], help="sequence lengths")
+    threads.add_argument("--batch", type=at_least(1), nargs="+", default=[1, 4], help="sequences per step")
+    _common(threads, threads=2)
+
+    context = command(
+        modes,
+        "context",
+        _bench,
+        "prefill and a training step against the context length: time and peak memory",
+        "difftx bench context --preset tiny --json results/context-tiny.json",
+    )
+    context.add_argument("--preset", default="tiny", help="the model preset")
+    context.add_argument("--seq", type=at_least(1), nargs="+", help="context lengths (default 1024 to 65536, doubling)")
+    context.add_argument("--kinds", nargs="+", choices=["prefill", "train"], default=["prefill", "train"],
+                         help="what to time at each length")  # fmt: skip
+    context.add_argument("--batch", type=at_least(1), default=1, help="sequences per pass")
+    context.add_argument("--memory-gib", type=float, help="the memory budget (default 80%% of what is free)")
+    context.add_argument("--max-seconds", type=float, default=1800, help="skip a length predicted to take longer")
+    _common(context, store=True)
+
+
+def _common(mode, threads: int = 1, store: bool = False) -> None:
+    """The flags every `difftx bench MODE` has, after its own: repeats, threads and the JSON output."""
+    mode.add_argument("--repeats", type=at_least(1), default=3, help="interleaved repeats; medians are reported")
+    what = "the threads compared with 1 (at least 2)" if threads > 1 else "CPU threads"
+    mode.add_argument("--threads", type=at_least(threads), default=threads, help=what)
+    if store:
+        mode.add_argument("--json", required=True, help="the study's store: results are written after each "
+                          "measurement, and the same file again resumes it")  # fmt: skip
+    else:
+        mode.add_argument("--json", help="also write the results to this JSON file")
+
+
+def _device_flags(mode) -> None:
+    mode.add_argument("--device", default="cpu", help="cpu or cuda")
+    mode.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="the dtype")

@@ -8,7 +8,14 @@ from difftransformer.apps.cli.parsing import command
 
 
 def convert_command(sub) -> None:
-    conv = command(sub, "convert", _convert, "a run to a Hugging Face directory (--to hf), or back (--from-hf)")
+    conv = command(
+        sub,
+        "convert",
+        _convert,
+        "a run to a Hugging Face directory (--to hf), or back (--from-hf)",
+        "difftx convert --run runs/diff-tiny --to hf --out hf/diff-tiny --license mit\n"
+        "difftx convert --from-hf hf/diff-tiny --out runs/diff-tiny-back",
+    )
     conv.add_argument("--run", help="the run directory to convert")
     conv.add_argument("--to", choices=["hf"], default="hf", help="the format of --run's export")
     conv.add_argument("--from-hf", help="a DiffLlama or Llama save_pretrained directory")

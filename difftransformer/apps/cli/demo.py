@@ -38,11 +38,23 @@ def _presets(args: argparse.Namespace) -> int:
 
 
 def demo_command(sub) -> None:
-    demo = command(sub, "demo", _demo, "train the tiny DIFF / standard pair side by side and write a report")
+    demo = command(
+        sub,
+        "demo",
+        _demo,
+        "train the tiny DIFF / standard pair side by side and write a report",
+        "difftx demo --steps 240 --out runs/demo",
+    )
     demo.add_argument("--steps", type=at_least(1), default=240, help="training steps of each model")
     demo.add_argument("--out", default="runs/demo", help="report directory (a free name is chosen next to it)")
     demo.add_argument("--data", default="data/pydocs", help="where the built-in corpus is prepared (reused)")
 
 
 def presets_command(sub) -> None:
-    command(sub, "presets", _presets, "list the model presets with DIFF and standard parameter counts")
+    command(
+        sub,
+        "presets",
+        _presets,
+        "list the model presets with DIFF and standard parameter counts",
+        "difftx presets",
+    )

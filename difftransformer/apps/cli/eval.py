@@ -10,7 +10,13 @@ from difftransformer.apps.cli.parsing import check_utf8, command
 
 
 def eval_command(sub) -> None:
-    ev = command(sub, "eval", _eval, "perplexity with lm-eval (HFLM) on a local JSONL file, and our own bits per byte")
+    ev = command(
+        sub,
+        "eval",
+        _eval,
+        "perplexity with lm-eval (HFLM) on a local JSONL file, and our own bits per byte",
+        "difftx eval --run runs/diff-tiny --jsonl texts.jsonl --logit-bits 4",
+    )
     ev.add_argument("--run", required=True, help="the run to evaluate")
     ev.add_argument("--jsonl", required=True, help="a JSONL file of texts")
     ev.add_argument("--text-field", default="text", help="the field of the records that holds the text")

@@ -8,7 +8,13 @@ from difftransformer.apps.cli.parsing import at_least, check_utf8, command
 
 
 def generate_command(sub) -> None:
-    gen = command(sub, "generate", _generate, "sample from a trained run, streaming the text")
+    gen = command(
+        sub,
+        "generate",
+        _generate,
+        "sample from a trained run, streaming the text",
+        "difftx generate --run runs/diff-tiny --prompt 'The module ' --max-new-tokens 60 --seed 0",
+    )
     gen.add_argument("--run", required=True, help="a run directory (trained, converted or quantized)")
     gen.add_argument("--prompt", required=True, help="the text to continue")
     gen.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate at most")

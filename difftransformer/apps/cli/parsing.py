@@ -11,10 +11,16 @@ import sys
 from difftransformer.errors import name_fields
 
 
-def command(sub, name: str, func, help: str | None = None) -> argparse.ArgumentParser:
-    command = sub.add_parser(name, help=help, description=help)
+def command(sub, name: str, func, help: str, example: str) -> argparse.ArgumentParser:
+    """The subcommand ``name`` of ``sub``, run by ``func``; its help ends with ``example`` (a whole command line, or
+    several, one per line), which tests/test_cli_help.py parses with this parser."""
+    command = sub.add_parser(name, help=help, description=help, epilog="example:\n" + _indent(example))
     command.set_defaults(func=func, parser=command)
     return command
+
+
+def _indent(text: str) -> str:
+    return "\n".join("  " + line for line in text.splitlines())
 
 
 def config_flags(parser, config, skip: tuple[str, ...] = (), defaults: dict[str, str] | None = None) -> None:
@@ -42,15 +48,23 @@ def config_flags(parser, config, skip: tuple[str, ...] = (), defaults: dict[str,
 
 
 class Formatter(argparse.HelpFormatter):
-    """Every flag's help ends with its default, unless the default is None or False or the help already says it."""
+    """Every flag's help ends with its default, unless the default is None or False or the help already says it,
+    and a required flag's with "(required)"; a text of several lines (an epilog's examples) is kept as written."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
+        if action.required and action.option_strings:
+            return text + " (required)"
         hidden = action.default is None or action.default is False or action.default == argparse.SUPPRESS
         if not hidden and "(default" not in text:
             shown = " ".join(map(str, action.default)) if isinstance(action.default, list) else action.default
             text += f" (default {shown})".replace("%", "%%")
         return text
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        if "\n" in text:
+            return "".join(indent + line + "\n" for line in text.splitlines())
+        return super()._fill_text(text, width, indent)
 
 
 class Parser(argparse.ArgumentParser):

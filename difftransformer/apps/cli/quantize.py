@@ -9,7 +9,11 @@ from difftransformer.apps.cli.parsing import at_least, command
 
 def quantize_command(sub) -> None:
     quant = command(
-        sub, "quantize", _quantize, "post-training quantization of a run into a new run directory (integer weights)"
+        sub,
+        "quantize",
+        _quantize,
+        "post-training quantization of a run into a new run directory (integer weights)",
+        "difftx quantize --run runs/diff-tiny --scheme w8a8 --out runs/diff-tiny-w8a8",
     )
     quant.add_argument("--run", required=True, help="the trained (float) run directory")
     quant.add_argument(

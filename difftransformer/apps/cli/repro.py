@@ -13,6 +13,8 @@ def repro_command(sub) -> None:
         "repro",
         _repro,
         "the paper's claims: attention noise on synthetic tasks (needle, allocation, icl) and language modeling (lm)",
+        "difftx repro needle --scale cpu --seeds 5 --out reports/needle\n"
+        "difftx repro lm --scale cpu --out reports/lm --part sweep",
     )
     repro.add_argument("what", choices=["needle", "allocation", "icl", "lm", "quant", "all"], help="which experiment")
     repro.add_argument("--scale", default="cpu", choices=["cpu", "gpu"], help="model size and training budget")

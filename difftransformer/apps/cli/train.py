@@ -19,7 +19,15 @@ if TYPE_CHECKING:
 def train_command(sub) -> None:
     from difftransformer.training.config import RESUMABLE, TrainConfig
 
-    tr = command(sub, "train", _train, "train a model on prepared data (or resume a run)")
+    tr = command(
+        sub,
+        "train",
+        _train,
+        "train a model on prepared data (or resume a run)",
+        "difftx train --data data/mine --preset tiny --out runs/diff-mine --max-steps 2000 --keep-best\n"
+        "difftx train --resume runs/diff-mine --max-steps 4000\n"
+        "difftx train --config configs/small.toml --lr 3e-3 --out runs/small",
+    )
     tr.add_argument(
         "--resume",
         metavar="RUN",
