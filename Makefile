@@ -11,7 +11,7 @@ comma := ,
 space := $(eval) $(eval)
 INTEROP_PYTHONS := $(subst $(space),$(comma),$(strip $(foreach v,$(INTEROP_VERSIONS),$(CURDIR)/.venv-tf$(v)/bin/python)))
 
-.PHONY: demo test test-quick test-interop test-floor lint format clean shell docs
+.PHONY: demo test test-quick test-interop test-floor lint format clean shell docs docs-serve
 
 # PYTHONWARNINGS filters setuptools' notice that an editable install is editable (a warning block at every set-up)
 $(STAMP): requirements-dev.txt pyproject.toml
@@ -30,7 +30,12 @@ shell: $(STAMP)
 
 # the documentation site (docs/, mkdocs.yml) into site/; --strict: every warning is an error
 docs: $(STAMP)
-	$(BIN)/mkdocs build --strict --site-dir site
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
+
+# the site served at http://127.0.0.1:8000 (search needs it served: a browser refuses its worker from a file); Ctrl-C
+docs-serve: docs
+	@echo "the documentation: http://127.0.0.1:8000 (Ctrl-C stops it)"
+	$(BIN)/python -m http.server 8000 --bind 127.0.0.1 --directory site
 
 HINT := echo "difftx is $(BIN)/difftx: 'source $(BIN)/activate' (or 'make shell') puts it on PATH; then difftx --help"
 

@@ -11,19 +11,9 @@ import shlex
 import pytest
 
 from difftransformer.apps.cli import build_parser
+from difftransformer.apps.cli.parsing import leaf_commands
 
-
-def _commands(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()):
-    """(the words that name it, parser) of every command that runs something: the leaves of the parser tree."""
-    groups = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
-    if not groups:
-        yield path, parser
-        return
-    for name, child in groups[0].choices.items():
-        yield from _commands(child, (*path, name))
-
-
-COMMANDS = dict(_commands(build_parser()))
+COMMANDS = dict(leaf_commands(build_parser()))
 
 
 def _flags(parser: argparse.ArgumentParser) -> list[argparse.Action]:

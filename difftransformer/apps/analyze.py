@@ -65,7 +65,7 @@ def analyze_attention(run: str | Path, prompt_file: str | Path, out: str | Path,
 
 
 def _figure(maps, labels: list[str], layer: int, attention: str):
-    from difftransformer.apps.repro.report import pyplot
+    from difftransformer.apps.figures import pyplot
 
     plt = pyplot()
     heads = maps.mixed.shape[1]

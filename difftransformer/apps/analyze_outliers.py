@@ -96,16 +96,22 @@ def markdown(summary: dict) -> str:
 
 
 def figure(results: list[dict], path: Path) -> None:
-    from difftransformer.apps.repro.report import finish, pyplot
+    from difftransformer.apps.figures import COLORS, HEADS, finish, pyplot
 
     plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
     centres = torch.sqrt(EDGES[1:] * EDGES[:-1]).numpy()
+    seen: dict[str, int] = {}  # runs of one attention kind share its colour, each with a line style of its own
+    styles = []
+    for r in results:
+        n = seen[r["attention"]] = seen.get(r["attention"], -1) + 1
+        styles.append((COLORS.get(r["attention"], HEADS[len(styles) % len(HEADS)]), ("-", "--", ":", "-.")[n % 4]))
     for ax, (kind, title) in zip(axes, KINDS.items(), strict=True):
-        for r in results:
+        for r, (colour, style) in zip(results, styles, strict=True):
             counts = torch.tensor(r["histograms"][kind][1:-1], dtype=torch.float64)
             share = (counts / max(1, int(counts.sum()))).numpy()
-            ax.plot(centres, share, label=f"{Path(r['run']).name} ({r['attention']})", linewidth=1)
+            label = f"{Path(r['run']).name} ({r['attention']})"
+            ax.plot(centres, share, style, color=colour, label=label, linewidth=1)
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xlabel("absolute value")

@@ -257,7 +257,7 @@ def _cells(e: dict | None) -> str:
 
 def figure(result: dict, path: str | Path) -> None:
     """Log-log: seconds and peak RSS against T, one line per (kind, model)."""
-    from difftransformer.apps.repro.report import finish, pyplot
+    from difftransformer.apps.figures import finish, pyplot
 
     plt = pyplot()
     fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(10, 4))

@@ -299,12 +299,13 @@ def write_report(run_dir: Path, rows: dict[str, list[dict]], summary: dict) -> N
     """report.md, summary.json, loss_curves.png and lambda.png."""
     from matplotlib.ticker import MaxNLocator
 
-    from difftransformer.apps.repro.report import finish, pyplot
+    from difftransformer.apps.figures import COLORS, HEADS, finish, pyplot
 
     plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(7, 4.4))
-    for kind, color in zip(KINDS, ("tab:red", "tab:blue"), strict=True):
+    for kind in KINDS:
+        color = COLORS[kind]
         ax.plot(
             [r["step"] for r in rows[kind]],
             [r["loss"] for r in rows[kind]],
@@ -327,7 +328,8 @@ def write_report(run_dir: Path, rows: dict[str, list[dict]], summary: dict) -> N
     fig, ax = plt.subplots(figsize=(7, 4.4))
     lam = [r["lambda"] for r in rows["diff"]]
     for layer in range(len(lam[0])):
-        ax.plot([r["step"] for r in rows["diff"]], [v[layer] for v in lam], marker=".", label=f"layer {layer}")
+        colour = HEADS[layer % len(HEADS)]
+        ax.plot([r["step"] for r in rows["diff"]], [v[layer] for v in lam], ".-", color=colour, label=f"layer {layer}")
     ax.set(xlabel="step", ylabel="lambda")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     finish(fig, run_dir / "lambda.png", "DIFF: lambda of each layer during training", dpi=120)

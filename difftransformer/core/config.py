@@ -50,6 +50,16 @@ class ModelConfig:
     starts it there, which scales every attention block's output at initialisation by that number; the architecture,
     the parameter count and the Hugging Face form are the paper's). ``difftx repro lm --part long`` measures the
     gain at which DIFF's attention blocks start with the standard model's output RMS.
+
+    Examples:
+        >>> cfg = ModelConfig.preset("small")  # the paper's matched pair: flip `attention`
+        >>> standard = ModelConfig.preset("small", attention="standard")
+        >>> cfg.d_model, cfg.n_layers, cfg.attention_heads, standard.attention_heads
+        (256, 8, 4, 8)
+        >>> ModelConfig(d_model=100, n_heads=8)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        difftransformer.errors.ConfigError: ModelConfig.d_model 100 is not divisible by n_heads 8; the head size ...
     """
 
     vocab_size: int = 256

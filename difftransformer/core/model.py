@@ -51,7 +51,20 @@ class Block(nn.Module):
 
 
 class TransformerLM(nn.Module):
-    """Decoder language model: token embedding -> n_layers blocks -> RMSNorm -> output head."""
+    """Decoder language model: token embedding -> n_layers blocks -> RMSNorm -> output head.
+
+    Each block is pre-norm: RMSNorm, the attention ``config.attention`` names, RMSNorm, a SwiGLU feed-forward
+    network; ``config.attention`` flips a DIFF model into its matched standard one.
+
+    Args:
+        config: the model's shape (a ModelConfig; ``ModelConfig.preset`` gives the paper's sizes).
+
+    Examples:
+        >>> import torch
+        >>> model = TransformerLM(ModelConfig.preset("tiny", attention="diff"))
+        >>> model(torch.randint(0, 256, (2, 16))).shape
+        torch.Size([2, 16, 256])
+    """
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -198,6 +211,20 @@ class TransformerLM(nn.Module):
 
 
 def count_parameters(config: ModelConfig, exclude_embeddings: bool = False) -> int:
-    """Parameter count of ``TransformerLM(config)``, built on the meta device (no memory allocated)."""
+    """Parameter count of ``TransformerLM(config)``, built on the meta device (no memory allocated).
+
+    Args:
+        config: the model's shape.
+        exclude_embeddings: leave out the token embedding and the output head (the count scaling laws use).
+
+    Returns:
+        The number of parameters.
+
+    Examples:
+        >>> count_parameters(ModelConfig.preset("tiny"))
+        1345728
+        >>> count_parameters(ModelConfig.preset("tiny", attention="standard"))
+        1345152
+    """
     with torch.device("meta"):
         return TransformerLM(config).num_parameters(exclude_embeddings)

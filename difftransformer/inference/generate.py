@@ -9,12 +9,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from difftransformer.core.model import TransformerLM
 from difftransformer.errors import Fields, InputError
 from difftransformer.inference.cache import KVCache
+
+if TYPE_CHECKING:
+    from difftransformer.store.tokenizer import Tokenizer
 
 
 @dataclass
@@ -78,16 +82,45 @@ def generate(
     seed: int | None = None,
     stop_tokens: Sequence[int] = (),
     stop_strings: Sequence[str] = (),
-    tokenizer=None,
+    tokenizer: Tokenizer | None = None,
     on_token: Callable[[int, int], None] | None = None,
     truncate: bool = False,
 ) -> list[int] | list[list[int]]:
     """New tokens after one prompt (a list of ids) or after each of several prompts (a list of lists).
 
-    A row stops at a stop token (not included) or once its decoded text contains a stop string (``tokenizer``
-    needed; the completing token is included). ``on_token(row, token)`` is called for every kept token, for
-    streaming. A prompt that does not fit the context with ``max_new_tokens`` raises, unless ``truncate=True``,
-    which keeps the prompt's last tokens.
+    The prompts are prefilled into a static KVCache, then one token per step is decoded; several prompts of
+    different lengths are left-padded and decoded together.
+
+    Args:
+        model: the language model (``load_run`` gives a trained one and its tokenizer).
+        prompt_tokens: one prompt (a list of ids), several (a list of lists), or a (B, T) tensor.
+        max_new_tokens: tokens to generate at most per prompt.
+        temperature: 0 for greedy decoding; otherwise the logits are divided by it before sampling.
+        top_k: sample among the k most likely tokens only.
+        top_p: sample among the most likely tokens whose probabilities add up to p (nucleus sampling).
+        seed: the sampling's seed (None: torch's global generator).
+        stop_tokens: ids that end a row (not included in it).
+        stop_strings: texts that end a row once its decoded text contains one (the completing token is included;
+            needs ``tokenizer``).
+        tokenizer: what decodes the text for ``stop_strings``.
+        on_token: called as ``on_token(row, token)`` for every kept token, for streaming.
+        truncate: keep the end of a prompt too long for the context with ``max_new_tokens`` (else it raises).
+
+    Returns:
+        The new tokens: a list of ids for one prompt, a list of lists for several.
+
+    Raises:
+        InputError: an empty prompt, one too long for the context (without ``truncate``), or a bad setting.
+
+    Examples:
+        >>> import torch
+        >>> from difftransformer import ModelConfig, TransformerLM
+        >>> model = TransformerLM(ModelConfig.preset("tiny")).eval()
+        >>> new = generate(model, [1, 2, 3], max_new_tokens=5, temperature=0)
+        >>> len(new)
+        5
+        >>> [len(row) for row in generate(model, [[1, 2], [3, 4, 5]], max_new_tokens=4, seed=0)]
+        [4, 4]
     """
     SamplingConfig(max_new_tokens, temperature, top_k, top_p, seed)
     prompts, batched = _as_prompts(prompt_tokens)

@@ -152,9 +152,35 @@ def save_run(model: TransformerLM, tokenizer: Tokenizer, out_dir: str | Path, me
 
 
 def load_run(run_dir: str | Path, device: str | torch.device = "cpu") -> tuple[TransformerLM, Tokenizer]:
-    """(model in eval mode, tokenizer) of a run directory, with its newest checkpoint's weights, or of one checkpoint
-    of a run (``RUN/checkpoints/step_N``). A quantized run's model has QuantizedLinear layers. Weights that are not
-    finite (a run that diverged) are refused."""
+    """The model and tokenizer of a run directory (trained, converted or quantized), to sample from or evaluate.
+
+    Args:
+        run_dir: a run directory (its newest checkpoint's weights) or one checkpoint of a run
+            (``RUN/checkpoints/step_N``).
+        device: where the model's weights go.
+
+    Returns:
+        (model in eval mode, tokenizer). A quantized run's model has QuantizedLinear layers.
+
+    Raises:
+        FileNotFoundError: the directory, its model_config.json or its checkpoints are missing.
+        InputError: a damaged checkpoint, or weights that are not finite (a run that diverged).
+
+    Examples:
+        >>> import tempfile
+        >>> from difftransformer import TrainConfig, train
+        >>> from difftransformer.store.data import prepare
+        >>> from difftransformer.store.tokenizer import ByteTokenizer
+        >>> tmp = tempfile.mkdtemp()
+        >>> texts = ["To be, or not to be. " * 100] * 20
+        >>> _ = prepare(texts, ByteTokenizer(), f"{tmp}/data", split="documents", val_every=10)
+        >>> cfg = TrainConfig(data=f"{tmp}/data", out=f"{tmp}/run", max_steps=2, batch_size=2, seq_len=32,
+        ...                   eval_tokens=64)
+        >>> _ = train(cfg, quiet=True)
+        >>> model, tokenizer = load_run(f"{tmp}/run")
+        >>> tokenizer.decode(tokenizer.encode("To be"))
+        'To be'
+    """
     run = Path(run_dir)
     checkpoint = None
     if names_checkpoint(run) and run.is_dir():

@@ -46,8 +46,19 @@ def _help(text: str, default: str | None = None, choices: tuple[str, ...] | None
 
 @dataclass
 class TrainConfig:
-    """One training run. The defaults follow the paper (AdamW (0.9, 0.98), lr 1.5e-3, wd 0.05, 375 warmup steps)
-    scaled to short runs: warmup is capped at a tenth of the steps."""
+    """One training run: every flag of ``difftx train`` is one of its fields, with the same name. The defaults follow
+    the paper (AdamW (0.9, 0.98), lr 1.5e-3, wd 0.05, 375 warmup steps) scaled to short runs: warmup is capped at a
+    tenth of the steps. Every field is checked when the config is made; `difftx train --help` describes each.
+
+    Examples:
+        >>> cfg = TrainConfig(data="data/mine", out="runs/mine", max_steps=1000, model={"n_layers": 4})
+        >>> cfg.warmup_steps, cfg.lr, cfg.keep_best
+        (100, 0.0015, False)
+        >>> TrainConfig(data="data/mine", out="runs/mine", lr=2.0)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        difftransformer.errors.ConfigError: TrainConfig.lr must be a finite number in (0, 1] (the peak learning ...
+    """
 
     data: str = field(
         metadata=_help("a directory made by `difftx data prepare`; when resuming, where the run's data lies now")

@@ -640,7 +640,35 @@ def step_of(row: str) -> int | None:
 
 
 def train(cfg: TrainConfig, resume: bool = False, quiet: bool = False) -> list[dict]:
-    """Train (or resume) the run ``cfg`` describes to its end; returns the logged rows."""
+    """Train (or resume) the run ``cfg`` describes to its end, as ``difftx train`` does.
+
+    Args:
+        cfg: the run: its data, output directory, model and recipe.
+        resume: continue the run in ``cfg.out`` from its newest checkpoint (``resume_config`` gives its config).
+        quiet: no live progress line.
+
+    Returns:
+        The rows logged to metrics.jsonl by this call (step, loss, learning rate, validation loss, ...).
+
+    Raises:
+        TrainingDiverged: too many steps in a row with a non-finite loss or gradient, or an unhealthy state; the
+            message names the checkpoint to start again from.
+        Interrupted: SIGINT or SIGTERM, after a checkpoint was written.
+
+    Examples:
+        >>> import tempfile
+        >>> from difftransformer import TrainConfig, train
+        >>> from difftransformer.store.data import prepare
+        >>> from difftransformer.store.tokenizer import ByteTokenizer
+        >>> tmp = tempfile.mkdtemp()
+        >>> texts = ["To be, or not to be. " * 100] * 20
+        >>> _ = prepare(texts, ByteTokenizer(), f"{tmp}/data", split="documents", val_every=10)
+        >>> cfg = TrainConfig(data=f"{tmp}/data", out=f"{tmp}/run", max_steps=2, batch_size=2, seq_len=32,
+        ...                   eval_tokens=64)
+        >>> rows = train(cfg, quiet=True)
+        >>> rows[-1]["step"], "val_loss" in rows[-1]
+        (2, True)
+    """
     trainer = Trainer(cfg, resume=resume, quiet=quiet)
     try:
         return trainer.fit()

@@ -53,7 +53,7 @@ def _bench(args: argparse.Namespace) -> int:
             )  # fmt: skip
             print(bench_context.format_context(result))
             if any("seconds" in e for e in result["rows"]):
-                from difftransformer.apps.repro.report import PLOT_EXTRA, has_pyplot
+                from difftransformer.apps.figures import PLOT_EXTRA, has_pyplot
 
                 if not has_pyplot():  # hours of measurements are not lost to a figure
                     print(f"bench context: no figure drawn, matplotlib is not installed ({PLOT_EXTRA}); the table "

@@ -19,6 +19,17 @@ def command(sub, name: str, func, help: str, example: str) -> argparse.ArgumentP
     return command
 
 
+def leaf_commands(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()):
+    """(the words that name it, its parser) of every command under ``parser`` that runs something (``bench train``,
+    not ``bench``): what the help test and the docs' command-line reference walk."""
+    groups = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    if not groups:
+        yield path, parser
+        return
+    for name, child in groups[0].choices.items():
+        yield from leaf_commands(child, (*path, name))
+
+
 def _indent(text: str) -> str:
     return "\n".join("  " + line for line in text.splitlines())
 

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from difftransformer.apps import figures
 from difftransformer.apps.analysis import allocation, attention_maps
 from difftransformer.apps.repro import needle, report
 from difftransformer.apps.repro.fit import FitSpec, find_models, run_pairs, saved_models, scaled_spec
@@ -111,7 +112,7 @@ def run(
         "evals": evals,
     }
     write_json(out / "results.json", result)
-    _plot(result, out)
+    draw(result, out)
     _plot_rows(result, found, spec, out)
     (out / "section.md").write_text(markdown(result))
     return result
@@ -169,8 +170,10 @@ def _noise_ranges(result: dict):
     return [(a, result["paper"][a]["noise_range"]) for a in report.PAIR]
 
 
-def _plot(result: dict, out: Path) -> None:
-    plt = report.pyplot()
+def draw(result: dict, out: Path) -> None:
+    """The figure drawn from the result alone: attention to the answer and to the noise by depth (the rows figure
+    needs the models: ``_plot_rows``)."""
+    plt = figures.pyplot()
     depths = result["depths"]
     fig, axes = plt.subplots(1, 3, figsize=(12, 3.4), sharey=True)
     width = 0.2
@@ -182,20 +185,20 @@ def _plot(result: dict, out: Path) -> None:
                 errs = [report.std([row[d] for row in rows]) for d in range(len(depths))]
                 xs = [d + (2 * i + j - 1.5) * width for d in range(len(depths))]
                 ax.bar(
-                    xs, means, width, yerr=errs, color=report.COLORS[a], alpha=1.0 if j == 0 else 0.4,
+                    xs, means, width, yerr=errs, color=figures.COLORS[a], alpha=1.0 if j == 0 else 0.4,
                     label=f"{report.NAMES[a]} {'answer' if j == 0 else 'noise'}",
                 )  # fmt: skip
         ax.set_xticks(range(len(depths)), [f"{d:.0%}" for d in depths])
         ax.set_xlabel("answer depth")
         ax.set_title(f"{summary}, |map|")
     axes[0].set_ylabel("attention share")
-    report.finish(fig, out / f"{TASK}_bars.png", "attention to the answer and to the rest (noise), by answer depth")
+    figures.finish(fig, out / f"{TASK}_bars.png", "attention to the answer and to the rest (noise), by answer depth")
 
 
 def _plot_rows(result: dict, found: dict, spec: FitSpec, out: Path) -> None:
     """For one sequence (depth 50%) of the first seed: the answering row of every head in the layer of each model's
     best head, with the queried needle and the other needles marked."""
-    plt = report.pyplot()
+    plt = figures.pyplot()
     n, r = needle.GRID_NEEDLES
     seq_len = spec.seq_len
     nb = needle.eval_set(n, r, seq_len, 1, 0.5, **needle.vocabulary(spec.task))
@@ -208,13 +211,13 @@ def _plot_rows(result: dict, found: dict, spec: FitSpec, out: Path) -> None:
         layer = next(e["best_head"][0] for e in result["evals"] if e["attention"] == a and e["seed"] == seed)
         maps = attention_maps(load_run(found[(a, seed)])[0], nb.tokens)[layer].mixed[0]  # (H, T, T)
         for h, row in enumerate(maps[:, int(nb.answer_pos[0])]):
-            ax.plot(row.tolist(), lw=1, label=f"head {h}")
+            ax.plot(row.tolist(), lw=1, color=figures.HEADS[h % len(figures.HEADS)], label=f"head {h}")
         for m in marks:
             queried = m == start
             ax.axvspan(m - 0.5, m + 2.5, color="gold" if queried else "0.85", alpha=0.5, lw=0,
                        label="queried needle" if queried else None)  # fmt: skip
         ax.axhline(0, color="k", lw=0.5)
-        ax.set_title(f"{report.NAMES[a]} seed {seed}, layer {layer}", fontsize=10)
+        ax.set_title(f"{report.NAMES[a]} seed {seed}, layer {layer}: {len(maps)} heads", fontsize=10)
         ax.set_ylabel("attention weight")
     axes[1].set_xlabel("position (grey: the other needles)")
-    report.finish(fig, out / f"{TASK}_rows.png", "the answering position's attention over the context, every head")
+    figures.finish(fig, out / f"{TASK}_rows.png", "the answering position's attention over the context, every head")

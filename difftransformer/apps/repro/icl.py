@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from difftransformer.apps import figures
 from difftransformer.apps.repro import report, stats
 from difftransformer.apps.repro.fit import (
     FitSpec,
@@ -178,9 +179,7 @@ def run(
         }
     )
     write_json(out / "results.json", result)
-    _plot(result, out)
-    curves = out / f"{TASK}_curves.png"
-    report.plot_curves(result["runs"], curves, f"accuracy, C={CURVE_CLASSES}", "in-context learning")
+    draw(result, out)
     (out / "section.md").write_text(markdown(result))
     return result
 
@@ -277,8 +276,16 @@ def markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
-def _plot(result: dict, out: Path) -> None:
-    plt = report.pyplot()
+def draw(result: dict, out: Path) -> None:
+    """The report's figures from its result: accuracy against demonstrations, and the learning curves."""
+    _plot_shots(result, out)
+    report.plot_curves(
+        result["runs"], out / f"{TASK}_curves.png", f"accuracy, C={CURVE_CLASSES}", "in-context learning"
+    )
+
+
+def _plot_shots(result: dict, out: Path) -> None:
+    plt = figures.pyplot()
     opts = result["spec"]["task"]
     classes = opts["classes"]
     fig, axes = plt.subplots(1, len(classes), figsize=(4 * len(classes), 3.2), sharey=True)
@@ -287,7 +294,7 @@ def _plot(result: dict, out: Path) -> None:
             rows = [e["shots"][str(c)] for e in result["evals"] if e["attention"] == a]
             means = [report.mean([r[i] for r in rows]) for i in range(len(opts["eval_shots"]))]
             errs = [report.std([r[i] for r in rows]) for i in range(len(opts["eval_shots"]))]
-            ax.errorbar(opts["eval_shots"], means, yerr=errs, color=report.COLORS[a], label=report.NAMES[a], capsize=3)
+            ax.errorbar(opts["eval_shots"], means, yerr=errs, color=figures.COLORS[a], label=report.NAMES[a], capsize=3)
         ax.axhline(1 / c, color="gray", ls=":", lw=1, label="chance")
         ax.set_xscale("log", base=2)
         ax.set_xticks(opts["eval_shots"], [str(n) for n in opts["eval_shots"]])
@@ -296,4 +303,4 @@ def _plot(result: dict, out: Path) -> None:
         ax.set_title(f"{c} classes")
     axes[0].set_ylabel("query accuracy")
     title = "in-context learning: accuracy against demonstrations (mean and sd over seeds)"
-    report.finish(fig, out / f"{TASK}_shots.png", title)
+    figures.finish(fig, out / f"{TASK}_shots.png", title)

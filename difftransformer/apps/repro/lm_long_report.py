@@ -8,6 +8,7 @@ import math
 import statistics
 from pathlib import Path
 
+from difftransformer.apps import figures
 from difftransformer.apps.repro import lm, lm_long, report, stats
 from difftransformer.apps.repro.lm_blocks import STATS
 from difftransformer.apps.repro.lm_long import (
@@ -43,15 +44,7 @@ SHORT = {
     "standard-head-norm": "standard + norm",
     "diff-norm-gain": "V1 norm gain",
 }
-COLORS = {
-    "standard": report.COLORS["standard"],
-    "diff": report.COLORS["diff"],
-    "diff-no-head-norm": "tab:orange",
-    "diff_v2-matched": "tab:green",
-    "diff_v2": "tab:olive",
-    "standard-head-norm": "tab:cyan",
-    "diff-norm-gain": "tab:purple",
-}
+COLORS = figures.COLORS  # the variants' colours: the same in every figure
 
 
 # the numbers -------------------------------------------------------------------------------------------------------
@@ -590,7 +583,7 @@ def plot(result: dict, out: Path) -> None:
 
 
 def _plot_tuning(result: dict, path: Path) -> None:
-    plt = report.pyplot()
+    plt = figures.pyplot()
     fig, ax = plt.subplots(figsize=(6.5, 4))
     for v, st in result["tuning"].items():
         pts = sorted((float(lr), xs) for lr, xs in st["losses"].items() if all(math.isfinite(x) for x in xs))
@@ -599,13 +592,13 @@ def _plot_tuning(result: dict, path: Path) -> None:
         ax.plot([p[0] for p in pts], [statistics.fmean(p[1]) for p in pts], "o-", color=COLORS[v], label=SHORT[v])
         for lr, xs in pts:
             ax.plot([lr] * len(xs), xs, ".", color=COLORS[v], alpha=0.5, ms=4)
-    ax.set(xscale="log", xlabel="peak learning rate", ylabel="validation loss (nats/token)")
+    ax.set(xscale="log", xlabel="peak learning rate", ylabel="validation loss (nats per token)")
     ax.set_title("mean of the seeds (dots: each seed)", fontsize=10)
-    report.finish(fig, path, f"learning rates at {result['plan']['steps'][1]} steps, every variant")
+    figures.finish(fig, path, f"learning rates at {result['plan']['steps'][1]} steps, every variant")
 
 
 def _plot_curves(result: dict, path: Path) -> None:
-    plt = report.pyplot()
+    plt = figures.pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.6))
     rows, timing = result["variants"], result.get("timing")
     tokens_per_step = result["plan"]["seq_len"] * result["plan"]["batch_size"]
@@ -629,20 +622,20 @@ def _plot_curves(result: dict, path: Path) -> None:
     top = max(m[len(m) // 8][1] for m in means)  # the first eighth of training is off the top: the rest is readable
     for ax in (axes[0], axes[2]):
         ax.set_ylim(min(lows) - 0.05, top + 0.05)
-    axes[0].set(xlabel="training tokens", ylabel="validation loss (nats/token)",
+    axes[0].set(xlabel="training tokens", ylabel="validation loss (nats per token)",
                 title="thin: each seed; bold: mean")  # fmt: skip
     axes[1].axhline(0, color="k", lw=0.8)
-    axes[1].set(xlabel="training tokens", ylabel="minus standard (nats/token)",
+    axes[1].set(xlabel="training tokens", ylabel="minus standard (nats per token)",
                 title="paired difference to standard (band: 95% interval)")  # fmt: skip
     axes[2].set(xlabel="seconds (the trained step, timed alone, one thread)", ylabel="validation loss",
                 title="mean against time" if timing else "(not timed yet)")  # fmt: skip
     for ax in axes:
         ax.title.set_fontsize(10)
-    report.finish(fig, path, f"validation loss during training, {len(result['seeds'])} seeds per variant")
+    figures.finish(fig, path, f"validation loss during training, {len(result['seeds'])} seeds per variant")
 
 
 def _plot_blocks(result: dict, path: Path) -> None:
-    plt = report.pyplot()
+    plt = figures.pyplot()
     blocks = result["blocks"]
     fig, axes = plt.subplots(1, 4, figsize=(17, 4.2))
     first = min(blocks["diff"]["steps"], key=int)
@@ -673,4 +666,4 @@ def _plot_blocks(result: dict, path: Path) -> None:
     axes[3].set(yscale="log", ylabel="attention gradient norm / standard's", title="geometric mean over layers")
     for ax in axes:
         ax.title.set_fontsize(10)
-    report.finish(fig, path, "what the attention blocks write into the residual stream, and their gradients")
+    figures.finish(fig, path, "what the attention blocks write into the residual stream, and their gradients")

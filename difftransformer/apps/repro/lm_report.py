@@ -11,6 +11,7 @@ import shutil
 import statistics
 from pathlib import Path
 
+from difftransformer.apps import figures
 from difftransformer.apps.repro import lm_long_report, report
 from difftransformer.apps.repro.lm import (
     ABLATIONS,
@@ -215,17 +216,12 @@ def write(out: Path, scale: Scale, seeds: list[int], measures: dict[str, dict]) 
     result = analyse(scale, seeds, measures)
     timings = out / TIMINGS
     result["minutes"] = {k: v / 60 for k, v in read_json_object(timings).items()} if timings.is_file() else {}
-    if "grid" in result:
-        _plot_scaling(result, scale, out)
-        _plot_positions(result, out)
-    if result["sweep"]:
-        _plot_sweep(result, out)
     text = markdown(result)
     long = lm_long_report.analyse(out, measures)
     if long is not None:
         result["long"] = long
-        lm_long_report.plot(long, out)
         text += "\n" + "\n".join(lm_long_report.markdown(long))
+    draw(result, out)
     write_json(out / "results.json", result)
     (out / "section.md").write_text(text)
     return result
@@ -435,45 +431,66 @@ def _ablation_markdown(result: dict, sc: dict) -> list[str]:
     return lines
 
 
-def _plot_scaling(result: dict, scale: Scale, out: Path) -> None:
-    plt = report.pyplot()
+def draw(result: dict, out: Path) -> None:
+    """The study's figures from its result: the grid's scaling and positions, the sweep, and the long part's."""
+    if "grid" in result:
+        _plot_scaling(result, out)
+        _plot_positions(result, out)
+    if result["sweep"]:
+        _plot_sweep(result, out)
+    if result.get("long") is not None:
+        lm_long_report.plot(result["long"], out)
+
+
+def _plot_scaling(result: dict, out: Path) -> None:
+    """Loss against size (power-law fits) and against tokens: colour is the architecture, line style the budget and
+    marker the size, each said once in the legend."""
+    from matplotlib.lines import Line2D
+
+    plt = figures.pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
-    hi, lo = scale.steps
-    for steps, style in ((hi, "-"), (lo, "--")):
+    hi, lo = result["scale"]["steps"]  # the study's Scale, as saved
+    styles, markers = {hi: "-", lo: "--"}, dict(zip(result["scale"]["sizes"], "osd", strict=False))
+    for steps, style in styles.items():
         fit = result["param_fits"][str(steps)]["fit"]
         for a in PAIR:
             pts = [p for p in result["grid"] if p["steps"] == steps and p["variant"] == a and p["seed"] == 0]
             xs = [p["non_embedding"] for p in pts]
-            axes[0].plot(xs, [p["loss"] for p in pts], "o", color=report.COLORS[a])
+            for p in pts:
+                axes[0].plot(p["non_embedding"], p["loss"], markers.get(p["size"], "o"), color=figures.COLORS[a])
             grid = [min(xs) * (max(xs) / min(xs)) ** (i / 40) for i in range(41)]
-            axes[0].plot(grid, [fit[a]["a"] * x ** -fit[a]["b"] for x in grid], style, color=report.COLORS[a],
-                         label=f"{LABELS[a]}, {steps} steps")  # fmt: skip
-    axes[0].set(xscale="log", xlabel="non-embedding parameters", ylabel="validation loss (nats/token)")
+            axes[0].plot(grid, [fit[a]["a"] * x ** -fit[a]["b"] for x in grid], style, color=figures.COLORS[a])
+    axes[0].set(xscale="log", xlabel="non-embedding parameters", ylabel="validation loss (nats per token)")
     axes[0].set_title("loss against size (lines: power-law fits)", fontsize=10)
-    report.readable_log_axis(axes[0])
-    for size, marker in zip(scale.sizes, "osd", strict=False):
+    figures.readable_log_axis(axes[0])
+    for size, marker in markers.items():
         for a in PAIR:
             pts = sorted((p["tokens"], p["loss"]) for p in result["grid"]
                          if p["size"] == size and p["variant"] == a and p["seed"] == 0)  # fmt: skip
-            axes[1].plot(*zip(*pts, strict=True), marker + "-", color=report.COLORS[a], label=f"{LABELS[a]} {size}")
-    axes[1].set(xscale="log", xlabel="training tokens", ylabel="validation loss")
+            axes[1].plot(*zip(*pts, strict=True), marker + "-", color=figures.COLORS[a])
+    axes[1].set(xscale="log", xlabel="training tokens", ylabel="validation loss (nats per token)")
     axes[1].set_title("loss against tokens, by size", fontsize=10)
-    report.readable_log_axis(axes[1])
-    report.finish(fig, out / "lm_scaling.png", "language modeling: DIFF vs standard (seed 0)")
+    figures.readable_log_axis(axes[1])
+    key = [Line2D([], [], color=figures.COLORS[a], label=LABELS[a]) for a in PAIR]
+    key += [Line2D([], [], color="0.4", ls=style, label=f"{steps} steps") for steps, style in styles.items()]
+    key += [Line2D([], [], color="0.4", ls="", marker=m, label=f"size {size}") for size, m in markers.items()]
+    for handle in key:  # the legend's entries, drawn nowhere: finish() collects them from the axes
+        axes[1].add_line(handle)
+    figures.finish(fig, out / "lm_scaling.png", "language modeling: DIFF vs standard (seed 0)")
 
 
 def _plot_positions(result: dict, out: Path) -> None:
     pp = result["per_position"]
     if not pp["difference"] or not pp["difference"][0]:
         return
-    plt = report.pyplot()
+    plt = figures.pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
     b = pp["bucket"]
     for a in PAIR:
         for i, curve in enumerate(pp["curves"][a]):
             xs = [b * j + b / 2 for j in range(len(curve))]
-            axes[0].plot(xs, curve, color=report.COLORS[a], alpha=0.7, lw=1, label=LABELS[a] if i == 0 else None)
-    axes[0].set(xlabel="position in the document", ylabel="loss (nats/token)", title="per-position loss, each seed")
+            axes[0].plot(xs, curve, color=figures.COLORS[a], alpha=0.7, lw=1, label=LABELS[a] if i == 0 else None)
+    axes[0].set(xlabel="position in the document", ylabel="loss (nats per token)", title="per-position loss, each seed")
     n = len(pp["difference"][0])
     xs = [b * j + b / 2 for j in range(n)]
     for curve in pp["difference"]:
@@ -481,21 +498,21 @@ def _plot_positions(result: dict, out: Path) -> None:
     axes[1].plot(xs, [report.mean([d[j] for d in pp["difference"]]) for j in range(n)], color="k", lw=1.5)
     axes[1].axhline(0, color="tab:red", lw=0.8)
     axes[1].set(xlabel="position in the document", ylabel="DIFF - standard", title="difference (grey: seeds)")
-    report.finish(fig, out / "lm_positions.png", "loss at each position of long documents")
+    figures.finish(fig, out / "lm_positions.png", "loss at each position of long documents")
 
 
 def _plot_sweep(result: dict, out: Path) -> None:
-    plt = report.pyplot()
+    plt = figures.pyplot()
     fig, ax = plt.subplots(figsize=(5, 3.4))
     for a in PAIR:
         pts = sorted((r["lr"], r["loss"]) for r in result["sweep"] if r["variant"] == a)
         if pts:
-            ax.plot(*zip(*pts, strict=True), "o-", color=report.COLORS[a], label=LABELS[a])
+            ax.plot(*zip(*pts, strict=True), "o-", color=figures.COLORS[a], label=LABELS[a])
     ax.set(xscale="log", xlabel="peak learning rate", ylabel="validation loss")
     lrs = sorted({r["lr"] for r in result["sweep"]})
     ax.set_xticks(lrs, [f"{x:g}" for x in lrs])
     ax.minorticks_off()
-    report.finish(fig, out / "lm_sweep.png", "validation loss against the peak learning rate")
+    figures.finish(fig, out / "lm_sweep.png", "validation loss against the peak learning rate")
 
 
 def export(study: Path, dest: Path) -> dict:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from difftransformer.apps import figures
 from difftransformer.apps.repro import report, stats, tasks
 from difftransformer.apps.repro.fit import (
     FitSpec,
@@ -163,7 +164,7 @@ def run(
         }
     )
     write_json(out / "results.json", result)
-    _plots(result, out)
+    draw(result, out)
     (out / "section.md").write_text(markdown(result))
     return result
 
@@ -315,21 +316,26 @@ def _values(result: dict, attention: str, get) -> list[float]:
     return [get(e) for e in result["evals"] if e["attention"] == attention]
 
 
-def _plots(result: dict, out: Path) -> None:
-    plt = report.pyplot()
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3.4), layout="constrained")
+def draw(result: dict, out: Path) -> None:
+    """The report's figures from its result: accuracy by length and depth, and the learning curves."""
+    plt = figures.pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4.2), layout="constrained")
     lengths = result["spec"]["task"]["lengths"]
     for ax, a in zip(axes, report.PAIR, strict=True):
-        grid = report.mean_grid([e["depth_length"] for e in result["evals"] if e["attention"] == a])
+        seeds = [e["depth_length"] for e in result["evals"] if e["attention"] == a]
+        grid = report.mean_grid(seeds)
         im = ax.imshow(grid, vmin=0, vmax=1, cmap="viridis", aspect="auto")
         ax.set_xticks(range(len(result["depths"])), [f"{d:.0%}" for d in result["depths"]])
         ax.set_yticks(range(len(lengths)), lengths)
         ax.set_xlabel("answer depth")
         ax.set_ylabel("context length")
-        ax.set_title(f"{report.NAMES[a]}: accuracy")
+        ax.set_title(f"{report.NAMES[a]}: accuracy over {len(seeds)} seeds")
         for i, row in enumerate(grid):
             for j, x in enumerate(row):
-                ax.text(j, i, f"{x:.2f}", ha="center", va="center", color="w" if x < 0.6 else "k", fontsize=8)
+                each = [seed[i][j] for seed in seeds]  # the spread over seeds, under the mean
+                ax.text(j, i, f"{x:.2f}\n{min(each):.2f}-{max(each):.2f}", ha="center", va="center",
+                        color="w" if x < 0.6 else "k", fontsize=8, linespacing=1.3)  # fmt: skip
     fig.colorbar(im, ax=axes, label="accuracy (mean over seeds)")
-    report.finish(fig, out / f"{TASK}_depth_length.png", "needle retrieval accuracy by context length and depth")
+    title = "needle retrieval accuracy by context length and depth (each cell: the mean; below it, the seeds' range)"
+    figures.finish(fig, out / f"{TASK}_depth_length.png", title)
     report.plot_curves(result["runs"], out / f"{TASK}_curves.png", "accuracy, N=4 R=2", "needle retrieval")

@@ -93,7 +93,7 @@ def run(out: Path, scale: str, seeds: list[int], workers: int, steps: int | None
     result = analyse(found, measured)
     result.update(study=str(study), scale=scale, **config)
     write_text_atomic(out / "results.json", json.dumps(result, indent=1) + "\n")
-    _figures(result, out)
+    draw(result, out)
     write_text_atomic(out / "section.md", markdown(result))
     return result
 
@@ -222,7 +222,7 @@ def markdown(result: dict) -> str:
             lines.append(f"| {row['size']} s{row['seed']} | {arch} | {logits} | {lg:.2f} | {hidden} | {hd:.2f} |")
     lines += [
         "",
-        "Validation loss increase (nats/token) over the float model, with the attention logits quantized to b bits "
+        "Validation loss increase (nats per token) over the float model, with the attention logits quantized to b bits "
         "(dynamic absmax per head and query row) and with the weights (and for w8a8 the linear inputs) quantized:",
         "",
         "| pair | model | float loss | "
@@ -259,26 +259,28 @@ def markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _figures(result: dict, out: Path) -> None:
-    from difftransformer.apps.repro import report
+def draw(result: dict, out: Path) -> None:
+    """The report's figure from its result: the loss that quantized logits cost, and its relation to outliers."""
+    from difftransformer.apps import figures
+    from difftransformer.apps.repro.report import NAMES
 
-    plt = report.pyplot()
+    plt = figures.pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
-    colours = {"diff": "tab:blue", "standard": "tab:orange"}
     for row in result["pairs"]:
         for arch in ("diff", "standard"):
             m = row[arch]
             increases = [m["logit_bits_loss"][str(b)] - m["loss"] for b in result["bits"]]
-            label = f"{arch}" if row is result["pairs"][0] else None
-            axes[0].plot(result["bits"], increases, marker="o", color=colours[arch], alpha=0.7, label=label)
-            axes[1].scatter(m["outliers"]["attention_logits"]["top1"], increases[-1], color=colours[arch], label=label)
+            label = NAMES[arch] if row is result["pairs"][0] else None
+            colour = figures.COLORS[arch]
+            axes[0].plot(result["bits"], increases, marker="o", color=colour, alpha=0.7, label=label)
+            axes[1].scatter(m["outliers"]["attention_logits"]["top1"], increases[-1], color=colour, label=label)
     axes[0].set_xlabel("attention-logit bits")
-    axes[0].set_ylabel("loss increase over float (nats/token)")
+    axes[0].set_ylabel("loss increase over float (nats per token)")
     axes[0].invert_xaxis()
     axes[0].set_title("loss against logit bits, every pair", fontsize=10)
     axes[1].set_xscale("log")
-    report.readable_log_axis(axes[1])
+    figures.readable_log_axis(axes[1])
     axes[1].set_xlabel("largest |attention logit| (top-1)")
     axes[1].set_ylabel("loss increase at 4-bit logits")
     axes[1].set_title("outliers against the 4-bit loss", fontsize=10)
-    report.finish(fig, out / "quant_bits.png", "quantized attention logits: the loss they cost, DIFF vs standard")
+    figures.finish(fig, out / "quant_bits.png", "quantized attention logits: the loss they cost, DIFF vs standard")

@@ -79,10 +79,34 @@ def method_of(impl: str) -> Callable[..., torch.Tensor]:
 
 
 class MultiheadDiffAttn(AttentionBase):
-    """Multi-head differential attention with ``num_heads`` differential heads.
+    """Multi-head differential attention with ``num_heads`` differential heads (the paper's V1).
 
-    Eight differential heads have the parameters of a sixteen-head standard attention of the same width.
-    ``num_kv_heads`` (a divisor of ``num_heads``) gives grouped-query attention; None means one group per head.
+    Eight differential heads have the parameters of a sixteen-head standard attention of the same width. The
+    parameters have the authors' names and layout, so their state dict loads with ``strict=True``.
+
+    Args:
+        embed_dim: the model width D; a multiple of ``2 * num_heads``.
+        num_heads: differential heads H, each with two query/key halves of size D / 2H and a value of width D / H.
+        layer_idx: the layer's index from 0, which sets lambda_init = 0.8 - 0.6 exp(-0.3 layer_idx).
+        num_kv_heads: key/value groups for grouped-query attention (a divisor of ``num_heads``); None is one per
+            head.
+        rope_theta: the rotary embedding's base; None switches the rotary embedding off.
+        norm_eps: the per-head RMSNorm's epsilon.
+        causal: whether a position attends only to itself and earlier ones.
+        impl: the exact method: ``auto``, ``block``, ``sdpa``, ``plain`` or ``triton`` (equal results).
+        rope_scaling: a ``linear`` or ``llama3`` rotary scaling, as in Hugging Face configs.
+        head_norm: False drops the per-head RMSNorm (the paper's ablation; the 1 - lambda_init factor stays).
+        lambda_init: a constant lambda_init instead of the layer schedule.
+        head_norm_gain: the initial weight of the per-head norm (1 in the paper; this library's option).
+
+    Examples:
+        >>> import torch
+        >>> attn = MultiheadDiffAttn(embed_dim=256, num_heads=4, layer_idx=0)
+        >>> y, w = attn(torch.randn(2, 10, 256), need_weights=True)
+        >>> y.shape, w.shape
+        (torch.Size([2, 10, 256]), torch.Size([2, 4, 10, 10]))
+        >>> round(attn.lambda_init, 4)
+        0.2
     """
 
     _version = 2  # state dicts of this version come from this library: head h reads group h // rep
@@ -102,9 +126,6 @@ class MultiheadDiffAttn(AttentionBase):
         lambda_init: float | None = None,
         head_norm_gain: float | None = None,
     ) -> None:
-        """``head_norm=False`` drops the per-head RMSNorm (the paper's ablation; the output is still scaled by
-        1 - lambda_init); ``lambda_init`` replaces the layer schedule by a constant; ``head_norm_gain`` is the initial
-        value of the norm's weight (1 in the paper; this library's option, see ModelConfig)."""
         what = "two half-heads per differential head"
         super().__init__(embed_dim, num_heads, layer_idx, num_kv_heads, rope_theta, causal, 2, what, rope_scaling)
         self.impl = impl
@@ -178,12 +199,19 @@ class MultiheadDiffAttn(AttentionBase):
         cache: KVStore | None = None,
         rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """x: (B, T, D) -> (B, T, D); with need_weights also the differential map (B, H, T, Tk).
+        """Attend: (B, T, D) -> (B, T, D).
 
-        mask: boolean, (B, Tk) key padding or (B, T, Tk) / (B, 1, T, Tk), True where attention is allowed.
-        positions: (T,) or (B, T) integer positions for the rotary embedding (default 0..T-1, or after the cache).
-        cache: a KVStore; the new keys and values are stored and all cached ones attended (Tk = cached + T).
-        rotary: (cos, sin) of the new tokens' positions, when the caller computes them once for all layers.
+        Args:
+            x: the input, (B, T, D).
+            mask: boolean, (B, Tk) key padding or (B, T, Tk) / (B, 1, T, Tk), True where attention is allowed.
+            positions: (T,) or (B, T) integer positions for the rotary embedding (default 0..T-1, or after the
+                cache).
+            need_weights: also return the differential map ``map1 - lambda * map2``, (B, H, T, Tk).
+            cache: a KVStore; the new keys and values are stored and all cached ones attended (Tk = cached + T).
+            rotary: (cos, sin) of the new tokens' positions, when the caller computes them once for all layers.
+
+        Returns:
+            The output (B, T, D), or (output, differential map) with ``need_weights``.
         """
         b, t, _ = x.shape
         q, k, v, mask = self._project(x, mask, positions, cache, rotary)

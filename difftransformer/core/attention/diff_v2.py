@@ -19,7 +19,26 @@ from difftransformer.core.attention.kernels import softmax_dtype, standard_atten
 
 
 class MultiheadDiffAttnV2(AttentionBase):
-    """``num_heads`` output heads of size ``embed_dim // num_heads``, each the difference of two query heads."""
+    """Differential attention V2: ``num_heads`` output heads of size ``embed_dim // num_heads``, each the
+    difference of two query heads' softmax maps over shared keys, with a per-token lambda ``sigmoid(lambda_proj(x))``
+    and no per-head norm (docs/paper.md section 5).
+
+    Args:
+        embed_dim: the model width D; a multiple of ``num_heads``.
+        num_heads: output heads (2 num_heads query heads).
+        layer_idx: the layer's index from 0.
+        num_kv_heads: key/value heads for grouped-query attention (a divisor of ``num_heads``); None is one per
+            head.
+        rope_theta: the rotary embedding's base; None switches the rotary embedding off.
+        causal: whether a position attends only to itself and earlier ones.
+        rope_scaling: a ``linear`` or ``llama3`` rotary scaling, as in Hugging Face configs.
+
+    Examples:
+        >>> import torch
+        >>> attn = MultiheadDiffAttnV2(embed_dim=256, num_heads=8, layer_idx=0)
+        >>> attn(torch.randn(2, 10, 256)).shape
+        torch.Size([2, 10, 256])
+    """
 
     def __init__(
         self,

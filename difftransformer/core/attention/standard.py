@@ -16,7 +16,28 @@ from difftransformer.core.layers import RMSNorm, head_norm_project
 
 
 class MultiheadAttention(AttentionBase):
-    """Causal (by default) multi-head attention with rotary embedding and grouped keys/values."""
+    """Causal (by default) multi-head attention with rotary embedding and grouped keys/values: the matched
+    baseline, with the interface of MultiheadDiffAttn.
+
+    Args:
+        embed_dim: the model width D; a multiple of ``num_heads``.
+        num_heads: softmax heads of size D / num_heads.
+        layer_idx: the layer's index from 0.
+        num_kv_heads: key/value heads for grouped-query attention (a divisor of ``num_heads``); None is one per
+            head.
+        rope_theta: the rotary embedding's base; None switches the rotary embedding off.
+        causal: whether a position attends only to itself and earlier ones.
+        rope_scaling: a ``linear`` or ``llama3`` rotary scaling, as in Hugging Face configs.
+        head_norm: True adds DIFF's per-head RMSNorm (one weight of the head size shared by the heads) to each
+            head's output, for the paper's ablation; the standard model has none.
+        norm_eps: that norm's epsilon.
+
+    Examples:
+        >>> import torch
+        >>> attn = MultiheadAttention(embed_dim=256, num_heads=8, layer_idx=0)
+        >>> attn(torch.randn(2, 10, 256)).shape
+        torch.Size([2, 10, 256])
+    """
 
     def __init__(
         self,
@@ -30,8 +51,6 @@ class MultiheadAttention(AttentionBase):
         head_norm: bool = False,
         norm_eps: float = 1e-5,
     ) -> None:
-        """``head_norm=True`` adds DIFF's per-head RMSNorm (one weight of the head size shared by the heads) to
-        each head's output, for the paper's ablation; the standard model has none."""
         what = "one head of size embed_dim/num_heads"
         super().__init__(embed_dim, num_heads, layer_idx, num_kv_heads, rope_theta, causal, 1, what, rope_scaling)
         d, num_kv_heads = self.head_dim, self.num_kv_heads
