@@ -18,10 +18,29 @@ from difftransformer.errors import InputError
 
 
 class KVCache:
-    """Keys and values of every layer of ``model`` for ``batch`` rows and ``max_len`` slots.
+    """Keys and values of every layer of ``model`` for ``batch`` rows and ``max_len`` slots, in fixed buffers (so
+    that every decode step has the same shapes).
 
     ``TransformerLM.forward(tokens, cache=cache)`` writes at slots ``length .. length + T - 1`` and advances
     ``length``; with ``slots=`` the caller chooses the slots and keeps ``length`` itself (a compiled decode step).
+
+    Args:
+        model: the TransformerLM whose layers it holds keys and values for.
+        batch: rows decoded together.
+        max_len: slots per row (default: the model's context, ``max_seq_len``).
+
+    Examples:
+        >>> import torch
+        >>> from difftransformer import ModelConfig, TransformerLM
+        >>> model = TransformerLM(ModelConfig.preset("tiny")).eval()
+        >>> tokens = torch.randint(0, 256, (1, 8))
+        >>> cache = KVCache(model, batch=1, max_len=16)
+        >>> with torch.no_grad():
+        ...     _ = model(tokens[:, :7], cache=cache)  # prefill
+        ...     step = model(tokens[:, 7:], cache=cache)  # one decode step
+        ...     full = model(tokens)
+        >>> cache.length, torch.allclose(step[0, -1], full[0, -1], atol=1e-4)
+        (8, True)
     """
 
     def __init__(self, model: torch.nn.Module, batch: int, max_len: int | None = None) -> None:

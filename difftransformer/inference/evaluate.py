@@ -16,6 +16,10 @@ import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 TASK = "difftx_local_perplexity"
 # what lm-eval and the libraries under it print on every run of a local task, none of it actionable: the git hash
@@ -61,8 +65,47 @@ def read_texts(jsonl: str | Path, text_field: str = "text") -> list[str]:
     return texts
 
 
-def lm_eval_perplexity(hf_model, hf_tokenizer, jsonl: str | Path, text_field: str = "text", max_length: int = 256):
-    """lm-eval's perplexity metrics of a transformers model on the texts of a local JSONL file (no hub access)."""
+def lm_eval_perplexity(
+    hf_model: PreTrainedModel,
+    hf_tokenizer: PreTrainedTokenizerBase,
+    jsonl: str | Path,
+    text_field: str = "text",
+    max_length: int = 256,
+) -> dict[str, float]:
+    """lm-eval's perplexity metrics of a transformers model on the texts of a local JSONL file (no hub access): what
+    ``difftx eval`` reports beside this library's own bits per byte.
+
+    Args:
+        hf_model: a transformers causal language model (``to_hf`` makes one of a TransformerLM).
+        hf_tokenizer: its tokenizer.
+        jsonl: a JSONL file of texts.
+        text_field: the field of the records that holds the text.
+        max_length: the longest window lm-eval scores at once.
+
+    Returns:
+        {"word_perplexity": ..., "byte_perplexity": ..., "bits_per_byte": ...}.
+
+    Examples:
+        >>> import json, tempfile
+        >>> from transformers import AutoModelForCausalLM, AutoTokenizer
+        >>> from difftransformer.interop.convert import run_to_hf
+        >>> from difftransformer import TrainConfig, train
+        >>> from difftransformer.store.data import prepare
+        >>> from difftransformer.store.tokenizer import ByteTokenizer
+        >>> tmp = tempfile.mkdtemp()
+        >>> texts = ["To be, or not to be. " * 100] * 20
+        >>> _ = prepare(texts, ByteTokenizer(), f"{tmp}/data", split="documents", val_every=10)
+        >>> cfg = TrainConfig(data=f"{tmp}/data", out=f"{tmp}/run", max_steps=2, batch_size=2, seq_len=32,
+        ...                   eval_tokens=64)
+        >>> _ = train(cfg, quiet=True)
+        >>> hf = run_to_hf(f"{tmp}/run", f"{tmp}/hf")
+        >>> texts = f"{tmp}/texts.jsonl"
+        >>> _ = Path(texts).write_text(json.dumps({"text": "To be, or not to be."}))
+        >>> model, tokenizer = AutoModelForCausalLM.from_pretrained(hf), AutoTokenizer.from_pretrained(hf)
+    >>> metrics = lm_eval_perplexity(model, tokenizer, texts)
+        >>> sorted(metrics)
+        ['bits_per_byte', 'byte_perplexity', 'word_perplexity']
+    """
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import lm_eval

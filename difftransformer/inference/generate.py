@@ -24,7 +24,17 @@ if TYPE_CHECKING:
 @dataclass
 class SamplingConfig:
     """How tokens are drawn: greedy at temperature 0; otherwise softmax(logits / temperature) restricted to the
-    ``top_k`` most likely tokens and to the smallest set whose probability reaches ``top_p``."""
+    ``top_k`` most likely tokens and to the smallest set whose probability reaches ``top_p``. ``generate`` checks
+    its arguments through it.
+
+    Examples:
+        >>> SamplingConfig(max_new_tokens=20, temperature=0.8, top_p=0.95).top_p
+        0.95
+        >>> SamplingConfig(max_new_tokens=20, top_p=1.5)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        difftransformer.errors.ConfigError: SamplingConfig.top_p ...
+    """
 
     max_new_tokens: int
     temperature: float = 1.0

@@ -76,8 +76,36 @@ def quantize_run(
     data: str | Path | None = None,
     progress: bool = False,
 ) -> dict:
-    """Write the quantized run ``out`` and return its quantization.json contents (``progress``: a live line while
-    w8a8 calibrates)."""
+    """Post-training quantization of a run into a new run directory, which loads, samples and evaluates like any run.
+
+    Args:
+        run: the trained (float) run directory.
+        scheme: ``w8a16`` (int8 weights per output channel), ``w4a16`` (int4 weights in groups of 32) or ``w8a8``
+            (int8 weights and int8 inputs to every linear layer, with calibrated scales).
+        out: the new run directory.
+        calib_samples: w8a8: training windows to calibrate the input scales on.
+        calibrator: w8a8: ``absmax`` (the largest |x| seen) or ``percentile`` (its 99.99th percentile).
+        data: w8a8: the data directory (default: the one the run was trained on).
+        progress: a live line while w8a8 calibrates.
+
+    Returns:
+        The contents of the new run's quantization.json (the scheme, its layers, the float source).
+
+    Examples:
+        >>> import tempfile
+        >>> from difftransformer import TrainConfig, train
+        >>> from difftransformer.store.data import prepare
+        >>> from difftransformer.store.tokenizer import ByteTokenizer
+        >>> tmp = tempfile.mkdtemp()
+        >>> texts = ["To be, or not to be. " * 100] * 20
+        >>> _ = prepare(texts, ByteTokenizer(), f"{tmp}/data", split="documents", val_every=10)
+        >>> cfg = TrainConfig(data=f"{tmp}/data", out=f"{tmp}/run", max_steps=2, batch_size=2, seq_len=32,
+        ...                   eval_tokens=64)
+        >>> _ = train(cfg, quiet=True)
+        >>> record = quantize_run(f"{tmp}/run", "w8a16", f"{tmp}/run-w8a16")
+        >>> record["scheme"]
+        'w8a16'
+    """
     run, out = Path(run), Path(out)
     if scheme not in SCHEMES:
         raise InputError(f"unknown scheme {scheme!r}; choose one of {', '.join(SCHEMES)}")

@@ -32,8 +32,33 @@ ARCHITECTURES = ("DiffLlamaForCausalLM", "LlamaForCausalLM")
 def run_to_hf(
     run_dir: str | Path, out_dir: str | Path, license: str | None = None, datasets: list[str] | None = None
 ) -> Path:
-    """Write the run's newest weights (or those of the checkpoint ``run_dir`` names) and its tokenizer as a Hugging
-    Face directory, with a model card (README.md; ``license`` and the Hub ``datasets`` go into its front matter)."""
+    """Write a run's weights and tokenizer as a Hugging Face directory that plain ``transformers`` loads, with a
+    model card (README.md) stating the run's numbers: ``difftx convert --to hf``.
+
+    Args:
+        run_dir: a run directory (its newest checkpoint) or one checkpoint of a run.
+        out_dir: the new directory.
+        license: the license for the model card's front matter (a Hub id, e.g. ``mit``).
+        datasets: Hub dataset ids the model was trained on, for the front matter.
+
+    Returns:
+        ``out_dir``.
+
+    Examples:
+        >>> import tempfile
+        >>> from difftransformer import TrainConfig, train
+        >>> from difftransformer.store.data import prepare
+        >>> from difftransformer.store.tokenizer import ByteTokenizer
+        >>> tmp = tempfile.mkdtemp()
+        >>> texts = ["To be, or not to be. " * 100] * 20
+        >>> _ = prepare(texts, ByteTokenizer(), f"{tmp}/data", split="documents", val_every=10)
+        >>> cfg = TrainConfig(data=f"{tmp}/data", out=f"{tmp}/run", max_steps=2, batch_size=2, seq_len=32,
+        ...                   eval_tokens=64)
+        >>> _ = train(cfg, quiet=True)
+        >>> hf = run_to_hf(f"{tmp}/run", f"{tmp}/hf", license="mit")
+        >>> sorted(p.name for p in hf.iterdir())[:3]
+        ['README.md', 'config.json', 'generation_config.json']
+    """
     from transformers import PreTrainedTokenizerFast
 
     model, tokenizer = load_run(run_dir)
@@ -98,10 +123,34 @@ def _calibration_tokens(tokenizer, max_len: int, rows: int = 4, length: int = 25
 
 
 def hf_to_run(hf_dir: str | Path, out_dir: str | Path, attention: str | None = None) -> Path:
-    """A run directory (config, a step-0 checkpoint, tokenizer) from a DiffLlama or Llama directory.
+    """A run directory (config, a step-0 checkpoint, tokenizer) from a DiffLlama or Llama directory:
+    ``difftx convert --from-hf``.
 
     ``attention="diff"`` with a Llama builds a DIFF model from it (``diff_from_standard``), its per-head norms
     calibrated on the built-in corpus; ``difftx train --init-from`` then trains it.
+
+    Args:
+        hf_dir: a ``save_pretrained`` directory of a DiffLlama or Llama model with its tokenizer.
+        out_dir: the new run directory.
+        attention: ``diff`` to turn a Llama into a DIFF model; None keeps the architecture.
+
+    Returns:
+        ``out_dir``.
+
+    Examples:
+        >>> import tempfile
+        >>> from difftransformer import TrainConfig, train
+        >>> from difftransformer.store.data import prepare
+        >>> from difftransformer.store.tokenizer import ByteTokenizer
+        >>> tmp = tempfile.mkdtemp()
+        >>> texts = ["To be, or not to be. " * 100] * 20
+        >>> _ = prepare(texts, ByteTokenizer(), f"{tmp}/data", split="documents", val_every=10)
+        >>> cfg = TrainConfig(data=f"{tmp}/data", out=f"{tmp}/run", max_steps=2, batch_size=2, seq_len=32,
+        ...                   eval_tokens=64)
+        >>> _ = train(cfg, quiet=True)
+        >>> back = hf_to_run(run_to_hf(f"{tmp}/run", f"{tmp}/hf"), f"{tmp}/back")
+        >>> (back / "model_config.json").is_file()
+        True
     """
     from transformers import AutoModelForCausalLM
 

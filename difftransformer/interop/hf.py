@@ -12,12 +12,16 @@ conversion is an exact permutation of rows (plus that folding); tests check it a
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 
 from difftransformer.core.attention.gqa_layout import own_layout
 from difftransformer.core.config import ModelConfig
 from difftransformer.core.model import TransformerLM
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 from difftransformer.core.rotary import ROPE_SCALINGS, rope_scaling_problem
 from difftransformer.errors import InputError
 
@@ -126,11 +130,31 @@ def to_hf(
     eos_token_id: int | list[int] | None = None,
     bos_token_id: int | None = None,
     pad_token_id: int | None = None,
-):
-    """A ``DiffLlamaForCausalLM`` (attention="diff") or ``LlamaForCausalLM`` (attention="standard") with our weights.
+) -> PreTrainedModel:
+    """A transformers ``DiffLlamaForCausalLM`` (attention="diff") or ``LlamaForCausalLM`` (attention="standard") with
+    this model's weights, computing the same logits.
 
-    The token ids go into the config (and so into the generation config): ``generate()`` stops at ``eos_token_id``
-    (a list for several end tokens). None leaves them unset."""
+    Args:
+        model: a TransformerLM of the paper's architecture (not an ablation, which DiffLlama cannot express).
+        eos_token_id: the end token(s) ``generate()`` stops at (a list for several); None leaves it unset.
+        bos_token_id: the begin-of-text token, if the model has one.
+        pad_token_id: the padding token.
+
+    Returns:
+        The transformers model, in eval mode.
+
+    Examples:
+        >>> import torch
+        >>> from difftransformer import ModelConfig, TransformerLM
+        >>> model = TransformerLM(ModelConfig.preset("tiny")).eval()
+        >>> hf = to_hf(model, eos_token_id=256)
+        >>> type(hf).__name__
+        'DiffLlamaForCausalLM'
+        >>> tokens = torch.randint(0, 256, (1, 12))
+        >>> with torch.no_grad():
+        ...     torch.allclose(hf(tokens).logits, model(tokens), atol=1e-4)
+        True
+    """
     tf = _transformers()
     cfg = model.config
     if cfg.attention == "diff_v2":
@@ -191,8 +215,25 @@ def to_hf(
     return hf_model.to(model.embed.weight.dtype).eval()
 
 
-def from_hf(hf_model) -> TransformerLM:
-    """A TransformerLM with the weights of a ``DiffLlamaForCausalLM`` or ``LlamaForCausalLM``."""
+def from_hf(hf_model: PreTrainedModel) -> TransformerLM:
+    """A TransformerLM with the weights of a ``DiffLlamaForCausalLM`` or ``LlamaForCausalLM``.
+
+    Args:
+        hf_model: the transformers model (its rotary scaling ``linear`` or ``llama3``, or none).
+
+    Returns:
+        The TransformerLM, computing the same logits.
+
+    Examples:
+        >>> import torch
+        >>> from difftransformer import ModelConfig, TransformerLM
+        >>> model = TransformerLM(ModelConfig.preset("tiny")).eval()
+        >>> back = from_hf(to_hf(model)).eval()
+        >>> tokens = torch.randint(0, 256, (1, 12))
+        >>> with torch.no_grad():
+        ...     torch.allclose(back(tokens), model(tokens), atol=1e-5)
+        True
+    """
     hc = hf_model.config
     arch = type(hf_model).__name__
     if arch not in ("DiffLlamaForCausalLM", "LlamaForCausalLM"):
@@ -247,16 +288,26 @@ def from_hf(hf_model) -> TransformerLM:
 
 def diff_from_standard(base: TransformerLM, lambda_start: float = -1.0) -> TransformerLM:
     """A DIFF TransformerLM initialised from a standard one, e.g. ``from_hf(a LlamaForCausalLM)`` (docs/paper.md
-    sections 1 and 2).
+    sections 1 and 2), to be trained further (``difftx train --init-from``).
 
     Head mapping: within each key/value head pair (2g, 2g+1), query heads (2g) * rep + r and (2g + 1) * rep + r
-    become the two components of DIFF head g * rep + r, so each component keeps its own keys; group g's 2d-wide
-    value is the concatenation of value heads 2g and 2g+1, and out_proj takes the two query heads' columns.
-    Embeddings, norms and FFN are copied. The lambda vectors are set so that lambda starts at ``lambda_start`` and
-    ``subln.weight`` at 1 / (1 - lambda_init); call ``calibrate_subln`` with some text to match each layer's output
-    scale to the original. No choice reproduces the original exactly (a DIFF head applies one combined map to both
-    halves of its value, where the two standard heads apply their own maps); the default lambda = -1 adds the two
-    maps, which keeps both heads' own terms, and measured closest (README, "Starting from a pretrained Llama").
+    become the two components of DIFF head g * rep + r, so each component keeps its own keys; group g's 2d-wide value
+    is the concatenation of value heads 2g and 2g+1, and the output columns follow. No setting reproduces the
+    original exactly (a DIFF head applies one combined map to both halves of its value).
+
+    Args:
+        base: the standard model; its key/value heads must come in pairs.
+        lambda_start: the lambda every layer starts at (its lambda vectors set to give it); -1 adds the two maps,
+            which measured closest to the original.
+
+    Returns:
+        The DIFF model.
+
+    Examples:
+        >>> from difftransformer import ModelConfig, TransformerLM
+        >>> diff = diff_from_standard(TransformerLM(ModelConfig.preset("tiny", attention="standard")))
+        >>> diff.config.attention, round(float(diff.layers[0].attn.lambda_full()), 4)
+        ('diff', -1.0)
     """
     cfg = base.config
     if cfg.attention != "standard" or cfg.n_heads % 2 or cfg.n_kv_heads % 2 or cfg.is_ablation:
@@ -290,7 +341,22 @@ def diff_from_standard(base: TransformerLM, lambda_start: float = -1.0) -> Trans
 @torch.no_grad()
 def calibrate_subln(diff: TransformerLM, reference: TransformerLM, tokens: torch.Tensor) -> None:
     """Scale each layer's ``subln.weight`` so that the DIFF heads' outputs have the RMS that the reference
-    (standard) model's heads have on ``tokens``, layer by layer (both models see the reference's hidden states)."""
+    (standard) model's heads have on ``tokens``, layer by layer (both models see the reference's hidden states).
+
+    Args:
+        diff: the DIFF model made by ``diff_from_standard`` (changed in place).
+        reference: the standard model it was made from.
+        tokens: a batch of token windows, (B, T).
+
+    Examples:
+        >>> import torch
+        >>> from difftransformer import ModelConfig, TransformerLM
+        >>> standard = TransformerLM(ModelConfig.preset("tiny", attention="standard"))
+        >>> diff = diff_from_standard(standard)
+        >>> calibrate_subln(diff, standard, torch.randint(0, 256, (2, 64)))
+        >>> diff.layers[0].attn.subln.weight.shape
+        torch.Size([32])
+    """
     captured: dict[str, torch.Tensor] = {}
 
     def keep(name: str):  # a pre-hook that records the heads' concatenated output (out_proj's input)

@@ -30,8 +30,32 @@ CITATION = """@inproceedings{ye2025differential,
 
 
 def training_record(run_dir: Path, step: int) -> dict:
-    """What the run records of its training up to ``step`` (its checkpoint): {} for a run without train_config.json;
-    else the recipe, the tokens trained, and the last validation of metrics.jsonl at or before ``step``."""
+    """What a run records of its training up to ``step`` (its checkpoint), for the model card.
+
+    Args:
+        run_dir: the run directory.
+        step: the exported checkpoint's step.
+
+    Returns:
+        {} for a run without train_config.json; else the recipe, the step, the tokens trained and the last
+        validation of metrics.jsonl at or before ``step`` (its step, loss and bits per byte).
+
+    Examples:
+        >>> from pathlib import Path
+        >>> import tempfile
+        >>> from difftransformer import TrainConfig, train
+        >>> from difftransformer.store.data import prepare
+        >>> from difftransformer.store.tokenizer import ByteTokenizer
+        >>> tmp = tempfile.mkdtemp()
+        >>> texts = ["To be, or not to be. " * 100] * 20
+        >>> _ = prepare(texts, ByteTokenizer(), f"{tmp}/data", split="documents", val_every=10)
+        >>> cfg = TrainConfig(data=f"{tmp}/data", out=f"{tmp}/run", max_steps=2, batch_size=2, seq_len=32,
+        ...                   eval_tokens=64)
+        >>> _ = train(cfg, quiet=True)
+        >>> record = training_record(Path(f"{tmp}/run"), 2)
+        >>> record["step"], record["tokens"], record["validation"]["step"]
+        (2, 128, 2)
+    """
     if not (run_dir / TRAIN_CONFIG).is_file():
         return {}
     recipe = read_json_object(run_dir / TRAIN_CONFIG)
@@ -66,8 +90,28 @@ def model_card(
     license: str | None = None,
     datasets: list[str] | None = None,
 ) -> str:
-    """The card of ``model`` exported as ``architecture`` with ``parameters`` (all, and without the embeddings), trained
-    as ``record`` (training_record) says; ``name`` is the export's directory name, used in the loading example."""
+    """The Hub model card (README.md) of an export: front matter, the architecture with its DIFF heads and lambda per
+    layer, the parameters, the training data and tokens, the last validation, how to load it and the citation.
+
+    Args:
+        model: the exported model.
+        architecture: the transformers class it is exported as.
+        parameters: (all parameters, without the embeddings).
+        record: what the run records of its training (``training_record``; {} when nothing is known).
+        name: the export's directory name, used in the loading example.
+        license: the license for the front matter.
+        datasets: Hub dataset ids for the front matter.
+
+    Returns:
+        The card's Markdown text.
+
+    Examples:
+        >>> from difftransformer import ModelConfig, TransformerLM
+        >>> model = TransformerLM(ModelConfig.preset("tiny"))
+        >>> card = model_card(model, "DiffLlamaForCausalLM", (1345728, 1280000), {}, "diff-tiny", license="mit")
+        >>> card.startswith("---") and "license: mit" in card
+        True
+    """
     cfg, (params, body_params) = model.config, parameters
     diff = cfg.attention == "diff"
     front = ["---", "library_name: transformers", "pipeline_tag: text-generation"]

@@ -57,10 +57,31 @@ def prepare(
     sources: list[str] | None = None,
     split: str = "chunks",
 ) -> dict:
-    """Tokenise ``documents`` into train/val shards under ``out_dir``; return the manifest.
+    """Tokenise ``documents`` into train and validation shards under ``out_dir`` (a new directory, written atomically)
+    with a manifest (tokenizer, token and byte counts, a sha256 per shard): ``difftx data prepare``.
 
-    ``val_every`` >= 2: every val_every-th chunk of the stream (``split="chunks"``) or every val_every-th document
-    (``split="documents"``) goes to validation; both splits must get text."""
+    Args:
+        documents: the texts.
+        tokenizer: what turns them into ids (its end-of-text token separates documents).
+        out_dir: the new data directory.
+        val_every: every val_every-th chunk of the stream (``split="chunks"``) or document (``split="documents"``)
+            goes to validation; at least 2, and both splits must get text.
+        shard_tokens: tokens per shard file at most.
+        sources: names of where the text came from, for the manifest.
+        split: ``chunks`` or ``documents`` (no document on both sides).
+
+    Returns:
+        The manifest.
+
+    Examples:
+        >>> import tempfile
+        >>> from difftransformer.store.tokenizer import ByteTokenizer
+        >>> tmp = tempfile.mkdtemp()
+        >>> texts = ["To be, or not to be. " * 100] * 20
+        >>> manifest = prepare(texts, ByteTokenizer(), f"{tmp}/data", split="documents", val_every=10)
+        >>> manifest["splits"]["train"]["tokens"], manifest["splits"]["val"]["tokens"]  # 18 and 2 documents of 2101
+        (37818, 4202)
+    """
     check = Fields.of("prepare", val_every=val_every, shard_tokens=shard_tokens, split=split)
     check.integer("val_every", 2, 1 << 20)
     check.integer("shard_tokens", 1)
@@ -239,10 +260,28 @@ def data_identity(manifest: dict) -> str:
 
 
 def verify_data(data_dir: str | Path, cached: bool = True) -> int:
-    """Check every shard of both splits against its sha256 in the manifest; returns how many were hashed.
+    """Check every shard of both splits against its sha256 in the manifest: ``difftx data verify``.
 
-    With ``cached``, a shard that matched before and whose size and modification time have not changed since is
-    not hashed again (the record is kept in the data directory when it is writable)."""
+    Args:
+        data_dir: a directory made by ``prepare``.
+        cached: skip a shard that matched before and whose size and modification time have not changed since (the
+            record is kept in the data directory when it is writable).
+
+    Returns:
+        How many shards were hashed.
+
+    Raises:
+        InputError: a shard does not match its checksum (it is damaged).
+
+    Examples:
+        >>> import tempfile
+        >>> from difftransformer.store.tokenizer import ByteTokenizer
+        >>> tmp = tempfile.mkdtemp()
+        >>> texts = ["To be, or not to be. " * 100] * 20
+        >>> _ = prepare(texts, ByteTokenizer(), f"{tmp}/data", split="documents", val_every=10)
+        >>> verify_data(f"{tmp}/data"), verify_data(f"{tmp}/data")  # the second time, from the record
+        (2, 0)
+    """
     data_dir = Path(data_dir)
     manifest = read_manifest(data_dir)
     record_path = data_dir / VERIFIED
@@ -277,7 +316,23 @@ def verify_data(data_dir: str | Path, cached: bool = True) -> int:
 
 
 class TokenData:
-    """One split of a prepared data directory, memory-mapped."""
+    """One split of a prepared data directory, memory-mapped, its shards checked against the manifest (sizes; the
+    checksums with ``verify_data``).
+
+    Args:
+        data_dir: a directory made by ``prepare``.
+        split: ``train`` or ``val``.
+
+    Examples:
+        >>> import tempfile
+        >>> from difftransformer.store.tokenizer import ByteTokenizer
+        >>> tmp = tempfile.mkdtemp()
+        >>> texts = ["To be, or not to be. " * 100] * 20
+        >>> _ = prepare(texts, ByteTokenizer(), f"{tmp}/data", split="documents", val_every=10)
+        >>> val = TokenData(f"{tmp}/data", "val")
+        >>> val.n_tokens, val.tokenizer().decode(val.window(0, 6).tolist())
+        (4202, 'To be,')
+    """
 
     def __init__(self, data_dir: str | Path, split: str = "train") -> None:
         self.dir = Path(data_dir)

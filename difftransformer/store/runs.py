@@ -139,7 +139,29 @@ def check_weights(model: torch.nn.Module, tensors: dict[str, torch.Tensor], sour
 
 
 def save_run(model: TransformerLM, tokenizer: Tokenizer, out_dir: str | Path, meta: dict, step: int = 0) -> Path:
-    """A new run directory holding ``model`` (a checkpoint of ``step``, no optimizer state) and ``tokenizer``."""
+    """A new run directory holding ``model`` (a checkpoint of ``step``, no optimizer state) and ``tokenizer``: what
+    the converters write; ``load_run`` reads it and ``difftx train --init-from`` trains it.
+
+    Args:
+        model: the model.
+        tokenizer: its tokenizer.
+        out_dir: the new directory.
+        meta: what else the checkpoint's state.json records (e.g. where the weights came from).
+        step: the checkpoint's step.
+
+    Returns:
+        ``out_dir``.
+
+    Examples:
+        >>> import tempfile
+        >>> from difftransformer import ModelConfig, TransformerLM
+        >>> from difftransformer.store.tokenizer import ByteTokenizer
+        >>> out = f"{tempfile.mkdtemp()}/run"
+        >>> run = save_run(TransformerLM(ModelConfig.preset("tiny", vocab_size=257)), ByteTokenizer(), out, {})
+        >>> model, tokenizer = load_run(run)
+        >>> model.config.vocab_size, tokenizer.vocab_size
+        (257, 257)
+    """
 
     def write(tmp: Path) -> None:
         model.config.to_json(tmp / MODEL_CONFIG)

@@ -18,11 +18,15 @@ import hashlib
 import json
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from difftransformer.errors import Fields, InputError
 from difftransformer.fsutil import read_json_object
+
+if TYPE_CHECKING:
+    import tokenizers
 
 EOT = "<|endoftext|>"
 SPEC_FILE = "tokenizer_spec.json"
@@ -30,7 +34,13 @@ HF_FILE = "tokenizer.json"
 
 
 class ByteTokenizer:
-    """UTF-8 bytes 0..255 plus an end-of-text token 256."""
+    """UTF-8 bytes 0..255 plus an end-of-text token 256: the default tokenizer, with no file and no training.
+
+    Examples:
+        >>> tok = ByteTokenizer()
+        >>> tok.encode("été"), tok.decode(tok.encode("été")), tok.vocab_size
+        ([195, 169, 116, 195, 169], 'été', 257)
+    """
 
     kind = "byte"
 
@@ -80,12 +90,32 @@ class ByteTokenizer:
 class HFTokenizer:
     """A Hugging Face ``tokenizers`` tokenizer loaded from a ``tokenizer.json`` file (BPE or any other).
 
-    ``eot`` names the end-of-text token (``<|endoftext|>`` unless the model that came with it uses another), ``stop``
-    further tokens that end generation, ``bos`` the begin-of-text token if the model has one."""
+    Args:
+        tokenizer: the ``tokenizers.Tokenizer``.
+        source: where it came from, for messages.
+        eot: the end-of-text token (``<|endoftext|>`` unless the model that came with it uses another).
+        stop: further tokens that end generation.
+        bos: the begin-of-text token, if the model has one.
+
+    Examples:
+        >>> import tempfile
+        >>> tmp = tempfile.mkdtemp()
+        >>> tok = train_bpe(["To be, or not to be: that is the question."] * 50, 300, tmp)
+        >>> loaded = HFTokenizer.from_file(f"{tmp}/tokenizer.json")
+        >>> loaded.decode(loaded.encode("To be")), loaded.fingerprint() == tok.fingerprint()
+        ('To be', True)
+    """
 
     kind = "hf"
 
-    def __init__(self, tokenizer, source: str = "", eot: str = EOT, stop: list[str] = (), bos: str | None = None):
+    def __init__(
+        self,
+        tokenizer: tokenizers.Tokenizer,
+        source: str = "",
+        eot: str = EOT,
+        stop: list[str] = (),
+        bos: str | None = None,
+    ):
         self._tok = tokenizer
         self.vocab_size = tokenizer.get_vocab_size()
         self.eot, self.stop, self.bos = eot, list(stop), bos
@@ -248,7 +278,19 @@ def _write_spec(directory: str | Path, spec: dict) -> None:
 
 
 def get_tokenizer(name: str) -> Tokenizer:
-    """``byte``, a path to a ``tokenizer.json``, or a directory holding one (as written by ``save``)."""
+    """The tokenizer a name gives: ``byte``, a path to a ``tokenizer.json``, or a directory holding one (as written by
+    ``save``).
+
+    Args:
+        name: ``byte``, a file or a directory.
+
+    Returns:
+        The tokenizer.
+
+    Examples:
+        >>> get_tokenizer("byte").vocab_size
+        257
+    """
     if name == "byte":
         return ByteTokenizer()
     path = Path(name)
@@ -302,8 +344,26 @@ def load_tokenizer(directory: str | Path) -> Tokenizer:
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int, out_dir: str | Path) -> HFTokenizer:
-    """Train a byte-level BPE tokenizer locally (Hugging Face ``tokenizers``) and save it to ``out_dir``. Its
-    vocabulary is smaller than ``vocab_size`` when the text holds fewer distinct merges; no text is an error."""
+    """Train a byte-level BPE tokenizer locally (Hugging Face ``tokenizers``) and save it to ``out_dir``:
+    ``difftx tokenizer train``.
+
+    Args:
+        texts: the training text.
+        vocab_size: the vocabulary asked for; smaller when the text holds fewer distinct merges.
+        out_dir: where ``tokenizer.json`` and its spec are written.
+
+    Returns:
+        The tokenizer.
+
+    Raises:
+        InputError: no text.
+
+    Examples:
+        >>> import tempfile
+        >>> tok = train_bpe(["To be, or not to be: that is the question."] * 50, 300, tempfile.mkdtemp())
+        >>> tok.vocab_size <= 300, tok.decode(tok.encode("or not"))
+        (True, 'or not')
+    """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     Fields.of("train_bpe", vocab_size=vocab_size).integer(

@@ -42,8 +42,31 @@ def loss_and_bits_per_byte(
     amp: torch.dtype | None = None,
     device: torch.device | str | None = None,
 ) -> tuple[float, float]:
-    """Mean loss (nats per target token) and bits per byte over ``windows``; ``token_bytes[i]`` is the number of UTF-8
-    bytes token ``i`` stands for."""
+    """The mean loss (nats per target token) and bits per byte over ``windows``, in eval mode without gradients.
+
+    Args:
+        model: the language model.
+        windows: (N, T + 1) token windows: each scores its tokens 1..T given the ones before.
+        token_bytes: ``token_bytes[i]`` is the number of UTF-8 bytes token ``i`` stands for (the tokenizer's
+            ``token_bytes()``).
+        batch: windows per forward pass.
+        amp: the autocast dtype, or None for float32.
+        device: where the model runs (default: where its weights are).
+
+    Returns:
+        (loss, bits per byte).
+
+    Examples:
+        >>> import math
+        >>> import torch
+        >>> from difftransformer import ModelConfig, TransformerLM
+        >>> from difftransformer.store.tokenizer import ByteTokenizer
+        >>> model = TransformerLM(ModelConfig.preset("tiny", vocab_size=257))
+        >>> token_bytes = torch.from_numpy(ByteTokenizer().token_bytes())
+        >>> loss, bpb = loss_and_bits_per_byte(model, torch.randint(0, 256, (4, 33)), token_bytes)
+        >>> abs(loss - math.log(257)) < 0.5, abs(bpb - loss / math.log(2)) < 1e-6  # untrained; a token is a byte
+        (True, True)
+    """
     losses = token_losses(model, windows, batch, amp, device)
     total = float(losses.double().sum())
     n_bytes = int(token_bytes[windows[:, 1:].cpu()].sum())

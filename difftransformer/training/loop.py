@@ -95,6 +95,31 @@ class Trainer:
 
     A new run refuses a directory that already holds something; ``resume=True`` continues the run in ``cfg.out``
     from its newest checkpoint (or from step 0 if it stopped before its first), writing only into that directory.
+
+    Args:
+        cfg: the run.
+        resume: continue the run in ``cfg.out``.
+        world: the process group (default: torchrun's when launched by it, else one process).
+        quiet: no live progress line.
+        on_step: called with every row read (step, loss, ...), e.g. for a live display.
+
+    Examples:
+        >>> import tempfile
+        >>> from difftransformer import TrainConfig, train
+        >>> from difftransformer.store.data import prepare
+        >>> from difftransformer.store.tokenizer import ByteTokenizer
+        >>> tmp = tempfile.mkdtemp()
+        >>> texts = ["To be, or not to be. " * 100] * 20
+        >>> _ = prepare(texts, ByteTokenizer(), f"{tmp}/data", split="documents", val_every=10)
+        >>> cfg = TrainConfig(data=f"{tmp}/data", out=f"{tmp}/run", max_steps=2, batch_size=2, seq_len=32,
+        ...                   eval_tokens=64)
+        >>> trainer = Trainer(cfg, quiet=True)
+        >>> try:
+        ...     rows = trainer.fit(until=1)  # one step; fit() again trains on to max_steps
+        ... finally:
+        ...     trainer.close()
+        >>> trainer.step_idx
+        1
     """
 
     def __init__(

@@ -18,7 +18,21 @@ from difftransformer.training.distributed import all_reduce_mean, unwrap
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Linear warmup to lr, then cosine decay to lr * min_lr_ratio at max_steps."""
+    """The learning rate of a step: linear warmup to ``lr``, then cosine decay to ``lr * min_lr_ratio`` at max_steps.
+
+    Args:
+        step: the step, from 0.
+        cfg: the run's config.
+
+    Returns:
+        The learning rate.
+
+    Examples:
+        >>> from difftransformer import TrainConfig
+        >>> cfg = TrainConfig(data="d", out="o", lr=1e-3, max_steps=100, warmup_steps=10, min_lr_ratio=0.1)
+        >>> lr_at(0, cfg), lr_at(10, cfg), round(lr_at(100, cfg), 12)  # a tenth, the peak, the floor
+        (0.0001, 0.001, 0.0001)
+    """
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
     progress = (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps)
@@ -35,7 +49,22 @@ def optimizer_flags(device: torch.device) -> dict:
 
 
 def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
-    """AdamW; weight decay on matrices and embeddings only (not on norms or the lambda vectors)."""
+    """The run's AdamW (betas, weight decay and fused kernel from ``cfg``); weight decay on matrices and embeddings
+    only, not on norms or the lambda vectors.
+
+    Args:
+        model: the model.
+        cfg: the run's config.
+
+    Returns:
+        The optimizer, two parameter groups: with weight decay and without.
+
+    Examples:
+        >>> from difftransformer import ModelConfig, TrainConfig, TransformerLM
+        >>> optimizer = make_optimizer(TransformerLM(ModelConfig.preset("tiny")), TrainConfig(data="d", out="o"))
+        >>> [group["weight_decay"] for group in optimizer.param_groups]
+        [0.05, 0.0]
+    """
     params = [p for p in model.parameters() if p.requires_grad]
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
@@ -151,13 +180,34 @@ def optimizer_step(
     device: torch.device,
     amp: torch.dtype | None = None,
 ) -> StepResult:
-    """One optimizer step at learning rate ``lr`` on the mean next-token loss of ``micro_batches`` ((tokens,
-    targets) pairs; a target of -100 is not scored), gradients clipped to norm ``grad_clip`` and, under DDP or
-    FSDP, synchronised on the last micro-batch only. A non-finite loss or gradient norm skips the update: with a
-    fused AdamW (``optimizer_flags``) on the device, through the optimizer's ``found_inf`` (the fused kernel then
-    changes neither the weights nor its state, step count included), so the step reads nothing on the host;
-    otherwise after one read. Every training run of the project (``difftx train`` and the experiments) steps
-    through this function; ``.row()`` of the result reads it."""
+    """One optimizer step at learning rate ``lr`` on the mean next-token loss of ``micro_batches``, gradients clipped
+    to norm ``grad_clip`` and, under DDP or FSDP, synchronised on the last micro-batch only. A non-finite loss or
+    gradient norm skips the update, on the device (nothing is read on the host).
+
+    Args:
+        model: the model (wrapped by DDP or FSDP, or not).
+        optimizer: its AdamW (``make_optimizer``).
+        micro_batches: (tokens, targets) pairs of (B, T) ids; a target of -100 is not scored.
+        lr: this step's learning rate (``lr_at``).
+        grad_clip: the largest gradient norm kept.
+        device: where the batches go.
+        amp: the autocast dtype (bfloat16 on GPUs), or None for float32.
+
+    Returns:
+        A StepResult, still on the device: the loss, the gradient norm and whether the step was skipped
+        (``.row()`` reads them).
+
+    Examples:
+        >>> import torch
+        >>> from difftransformer import ModelConfig, TrainConfig, TransformerLM
+        >>> model = TransformerLM(ModelConfig.preset("tiny"))
+        >>> optimizer = make_optimizer(model, TrainConfig(data="d", out="o"))
+        >>> tokens = torch.randint(0, 256, (2, 33))
+        >>> result = optimizer_step(model, optimizer, [(tokens[:, :-1], tokens[:, 1:])], 1e-3, 1.0, torch.device("cpu"))
+        >>> row = result.row()
+        >>> "skipped" in row, row["loss"] > 0
+        (False, True)
+    """
     for group in optimizer.param_groups:
         group["lr"] = lr
     total = torch.zeros((), device=device)

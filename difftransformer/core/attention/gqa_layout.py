@@ -15,7 +15,18 @@ from contextlib import contextmanager
 
 
 class GQALayoutWarning(UserWarning):
-    """Grouped-query weights of unknown origin were loaded: their head pairing cannot be checked."""
+    """Grouped-query weights of unknown origin were loaded: their head pairing cannot be checked.
+
+    Weights this library wrote carry their layout's version and load silently; others (a state dict from
+    elsewhere) warn once, because the reference code's naive module pairs query and key/value heads differently.
+
+    Examples:
+        >>> import warnings
+        >>> issubclass(GQALayoutWarning, UserWarning)
+        True
+        >>> warnings.simplefilter("error", GQALayoutWarning)  # make unknown pairings an error instead
+        >>> warnings.resetwarnings()
+    """
 
 
 _OWN_LAYOUT = contextvars.ContextVar("difftransformer_own_layout", default=False)
@@ -23,7 +34,17 @@ _OWN_LAYOUT = contextvars.ContextVar("difftransformer_own_layout", default=False
 
 @contextmanager
 def own_layout() -> Iterator[None]:
-    """Weights loaded inside come from this library (its checkpoints and converters), whose head pairing is known."""
+    """Weights loaded inside come from this library (its checkpoints and converters), whose head pairing is known:
+    no GQALayoutWarning for them.
+
+    Examples:
+        >>> from difftransformer import MultiheadDiffAttn
+        >>> source, target = (MultiheadDiffAttn(256, 4, 0, num_kv_heads=2) for _ in range(2))
+        >>> weights = {name: value for name, value in source.state_dict().items()}  # a plain dict: no version
+        >>> with own_layout():
+        ...     target.load_state_dict(weights)
+        <All keys matched successfully>
+    """
     token = _OWN_LAYOUT.set(True)
     try:
         yield

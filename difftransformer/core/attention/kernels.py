@@ -231,8 +231,30 @@ def diff_attention(
     mask: torch.Tensor | None = None,
     impl: str = "auto",
 ) -> torch.Tensor:
-    """Exact differential attention ``(softmax(q1 k1^T) - lambda softmax(q2 k2^T)) v`` -> (B, H, Tq, 2d) by the
-    method ``impl`` (see the module docstring)."""
+    """Exact differential attention ``(softmax(q1 k1^T) - lambda softmax(q2 k2^T)) v`` by a fast method, without
+    holding the (T, T) maps (see the module docstring for the methods).
+
+    Args:
+        q: the queries, (B, H, 2, Tq, d).
+        k: the keys, (B, Hkv, 2, Tk, d).
+        v: the values, (B, Hkv, Tk, 2d).
+        lambda_full: the layer's lambda, a scalar tensor.
+        scale: the logits' factor, 1 / sqrt(d) in the paper.
+        causal: a query attends only to keys at or before its position.
+        mask: boolean (B, Tk) or (B, Tq, Tk), True where attention is allowed.
+        impl: ``auto``, ``block``, ``sdpa`` or ``triton``; all give the same result.
+
+    Returns:
+        A, (B, H, Tq, 2d).
+
+    Examples:
+        >>> import torch
+        >>> q, k, v = torch.randn(1, 2, 2, 5, 8), torch.randn(1, 2, 2, 5, 8), torch.randn(1, 2, 5, 16)
+        >>> block = diff_attention(q, k, v, torch.tensor(0.5), scale=8**-0.5, impl="block")
+        >>> sdpa = diff_attention(q, k, v, torch.tensor(0.5), scale=8**-0.5, impl="sdpa")
+        >>> block.shape, torch.allclose(block, sdpa, atol=1e-5)
+        (torch.Size([1, 2, 5, 16]), True)
+    """
     return diff_method(impl)(q, k, v, lambda_full, scale=scale, causal=causal, mask=mask)
 
 
@@ -324,9 +346,28 @@ def standard_attention(
     mask: torch.Tensor | None = None,
     need_weights: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Softmax attention with grouped keys. q: (B, N, Tq, d), k/v: (B, Nkv, Tk, dv) -> (B, N, Tq, dv).
+    """Softmax attention with grouped keys: the standard model's core. The maps are materialised when asked for
+    them, or inside a ``logit_probe`` context (returned only when asked).
 
-    Materialises the maps when asked for them or inside a ``logit_probe`` context (returning them only when asked)."""
+    Args:
+        q: the queries, (B, N, Tq, d).
+        k: the keys, (B, Nkv, Tk, d); head n reads group n // (N / Nkv).
+        v: the values, (B, Nkv, Tk, dv).
+        scale: the logits' factor, 1 / sqrt(d).
+        causal: a query attends only to keys at or before its position.
+        mask: boolean (B, Tk) or (B, Tq, Tk), True where attention is allowed.
+        need_weights: also return the attention maps.
+
+    Returns:
+        (output (B, N, Tq, dv), the maps (B, N, Tq, Tk) or None).
+
+    Examples:
+        >>> import torch
+        >>> out, maps = standard_attention(torch.randn(1, 4, 5, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8),
+        ...                                scale=8**-0.5, need_weights=True)
+        >>> out.shape, torch.allclose(maps.sum(-1), torch.ones(1, 4, 5))
+        (torch.Size([1, 4, 5, 8]), True)
+    """
     if need_weights or active_probe() is not None:
         rep = q.shape[1] // k.shape[1]
         probs = attention_probs(q, k.repeat_interleave(rep, 1), scale, causal, mask)
