@@ -293,3 +293,32 @@ def test_training_leaves_the_group_it_joined_and_only_that_one(prepared, tmp_pat
         "own-group": ["after train: True", "at exit: True"],
     }[case]
     assert proc.stdout.split("\n")[:-1] == expected, proc.stdout
+
+
+TWICE_SCRIPT = """
+import json, sys
+import torch.distributed as dist
+from difftransformer.training.loop import TrainConfig, train
+
+cfg = json.loads(sys.argv[1])
+for name in ("first", "second"):  # the first run leaves its group; the second joins a new one
+    rows = train(TrainConfig(**{**cfg, "out": cfg["out"] + "-" + name, "parallel": "ddp"}), quiet=True)
+    print(name, rows[-1]["step"], dist.is_initialized(), flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_two_runs_in_one_torchrun_process_join_a_group_each(prepared, tmp_path):
+    """Under torchrun (2 processes), train() twice in one process: each run joins its own group through the agent's
+    store (a prefix per join: the second must not meet the first group's addresses, which hung gloo's connect) and
+    leaves it when it ends."""
+    import dataclasses
+
+    script = tmp_path / "twice.py"
+    script.write_text(TWICE_SCRIPT)
+    cfg = dataclasses.asdict(small_config(prepared, tmp_path / "run", max_steps=2, eval_interval=2, ckpt_interval=2))
+    proc = subprocess.run([*TORCHRUN, str(script), json.dumps(cfg)], env=ONE_THREAD, capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(proc.stdout.split("\n")[:-1]) == ["first 2 False"] * 2 + ["second 2 False"] * 2, proc.stdout
+    assert (tmp_path / "run-second" / "checkpoints" / "step_00000002").is_dir()

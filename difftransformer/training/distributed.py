@@ -91,14 +91,22 @@ def init_world(device: str = "auto", timeout: float = 600) -> World:
 
 def _attempt_store(timeout: timedelta):
     """Under torchrun, whose agent's store outlives a restart of the group, that store with a prefix of its own for
-    this attempt (None elsewhere: the default rendezvous). Without it, a restarted group found the addresses its
-    dead processes had left in the store, and connecting to them failed or hung (gloo's connectFullMesh)."""
+    this attempt and this join (None elsewhere: the default rendezvous). Without it, a restarted group found the
+    addresses its dead processes had left in the store, and connecting to them failed or hung (gloo's
+    connectFullMesh); a group joined again in the same attempt (a second ``train()`` after the first left its group)
+    would meet the first group's addresses the same way. Every process joins as many times, in the same order."""
+    global _joins
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
     store = dist.TCPStore(
         os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]), False, timeout
     )
-    return dist.PrefixStore(f"difftx/attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+    _joins += 1
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"difftx/attempt-{attempt}/join-{_joins}", store)
+
+
+_joins = 0  # groups this process has joined through torchrun's store (_attempt_store)
 
 
 def fsdp_policy(amp: torch.dtype | None):
