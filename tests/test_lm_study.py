@@ -498,6 +498,8 @@ def test_log_to_is_checked_before_a_study_starts(tmp_path):
 
     with pytest.raises(InputError, match="log_to` must be a comma-separated list"):
         suite.run("lm", tmp_path / "lm", log_to="tensorbaord")
-    with pytest.raises(InputError, match="log_to` applies to lm"):
-        suite.run("needle", tmp_path / "needle", log_to="tensorboard")
+    with pytest.raises(InputError, match="log_to` wandb applies to lm"):
+        suite.run("needle", tmp_path / "needle", log_to="tensorboard,wandb")
+    with pytest.raises(InputError, match="log_to` applies to the studies that train: lm, needle, icl, not quant"):
+        suite.run("quant", tmp_path / "quant", log_to="tensorboard")
     assert not any(tmp_path.iterdir())

@@ -407,6 +407,25 @@ def test_repro_all_writes_every_report(tmp_path, tiny_scales, capsys, monkeypatc
 
 
 @pytest.mark.slow
+def test_a_synthetic_study_writes_one_tensorboard_run_per_model(tmp_path, tiny_scales):
+    """needle with --log-to tensorboard: one run per trained model, whose events are the curves of results.json."""
+    event_accumulator = optional("tensorboard.backend.event_processing.event_accumulator")
+    out = tmp_path / "n"
+    argv = ["repro", "needle", "--seeds", "1", "--workers", "1", "--log-to", "jsonl,tensorboard", "--out", str(out)]
+    assert main(argv) == 0
+    result = json.loads((out / "results.json").read_text())
+    runs = sorted(p.name for p in (out / "tensorboard").iterdir())
+    assert runs == ["needle-diff-seed0", "needle-standard-seed0"]
+    for run in result["runs"]:
+        events = event_accumulator.EventAccumulator(str(out / "tensorboard" / f"needle-{run['attention']}-seed0"))
+        events.Reload()
+        accuracy = [(e.step, e.value) for e in events.Scalars("eval/accuracy")]
+        assert accuracy == [(c["step"], pytest.approx(c["accuracy"])) for c in run["curve"]]
+        losses = [(e.step, e.value) for e in events.Scalars("train/loss")]
+        assert losses == [(c["step"], pytest.approx(c["loss"])) for c in run["curve"] if c["loss"] is not None]
+
+
+@pytest.mark.slow
 def test_repro_allocation_needs_matching_models(tmp_path, tiny_scales, capsys):
     assert main(["repro", "needle", "--seeds", "1", "--workers", "1", "--out", str(tmp_path / "n")]) == 0
     args = ["repro", "allocation", "--seeds", "2", "--models", str(tmp_path / "n"), "--out", str(tmp_path / "a")]

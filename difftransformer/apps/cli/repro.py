@@ -59,8 +59,9 @@ def repro_command(sub) -> None:
     repro.add_argument(
         "--log-to",
         default="jsonl",
-        help="lm: where each model logs its metrics, as for difftx train (e.g. jsonl,tensorboard: one TensorBoard run "
-        "per model, tensorboard --logdir OUT/runs)",
+        help="where each trained model logs its metrics, as for difftx train: lm, every sink (jsonl,tensorboard: one "
+        "TensorBoard run per model, tensorboard --logdir OUT/runs); needle and icl, tensorboard (each model's "
+        "learning curve, in OUT/tensorboard)",
     )
 
 

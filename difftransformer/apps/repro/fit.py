@@ -12,6 +12,7 @@ writes token ids) under ``<out>/models/<task>-<attention>-seed<seed>``.
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
@@ -230,6 +231,27 @@ def save_and_evaluate(
     save_model(model, record, out, task, spec)
     with final_evaluation(spec):
         return {**record, "eval": evaluate(model, spec)}
+
+
+def curves_to_tensorboard(result: dict, out: Path) -> list[Path]:
+    """One TensorBoard run per model a synthetic study trained (``out/tensorboard/<task>-<attention>-seed<k>``):
+    its learning curve's training loss (``train/loss``) and accuracy on the fixed set (``eval/accuracy``) against
+    steps, at the training seconds as wall time. Written from the result's curves, after the models trained in
+    their worker processes; returns the run directories."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    written = []
+    for run in result["runs"]:
+        path = out / "tensorboard" / f"{result['experiment']}-{run['attention']}-seed{run['seed']}"
+        writer = SummaryWriter(log_dir=str(path))
+        for point in run["curve"]:
+            for tag, key in (("train/loss", "loss"), ("eval/accuracy", "accuracy")):
+                value = point.get(key)
+                if isinstance(value, (int, float)) and math.isfinite(value):  # a step-0 point has no loss yet
+                    writer.add_scalar(tag, value, point["step"], walltime=point["seconds"])
+        writer.close()
+        written.append(path)
+    return written
 
 
 def train_pairs(out: Path, task: str, scale: str, spec: FitSpec, job, seeds: list[int], workers: int) -> dict:

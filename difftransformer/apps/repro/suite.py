@@ -4,6 +4,7 @@ and the quantization study on it, ``quant``, also continue an interrupted run in
 from __future__ import annotations
 
 import importlib
+import json
 import time
 from pathlib import Path
 
@@ -12,6 +13,7 @@ from difftransformer.fsutil import check_new_dir
 from difftransformer.training.tracking import check_available, parse_sinks
 
 EXPERIMENTS = ("needle", "allocation", "icl", "lm", "quant")
+CURVES = ("needle", "icl")  # the synthetic studies that train models: one TensorBoard run of each model's curve
 CONTINUED = ("lm", "quant")  # experiments that continue an interrupted run in their own directory
 LOGIT_BITS = ("needle", "icl")  # the experiments whose final evaluation can run with quantized attention logits
 
@@ -36,7 +38,8 @@ def run(
     ``models`` (or the one ``all`` has just run); needle and icl, run alone with ``models`` (a report directory of
     the same experiment), evaluate its saved models again instead of training (for a grown evaluation, or another
     ``logit_bits``). ``log_to`` (TrainConfig.log_to) is where the language-model study's runs log their metrics
-    besides metrics.jsonl (one TensorBoard run per model under lm's runs/).
+    besides metrics.jsonl (one TensorBoard run per model under lm's runs/); with tensorboard, needle and icl write
+    one TensorBoard run of each model they trained, its learning curve (under their tensorboard/).
     """
     if what not in (*EXPERIMENTS, "all"):
         raise InputError(f"unknown experiment {what!r}; choose one of {', '.join(EXPERIMENTS)} or all")
@@ -52,8 +55,13 @@ def run(
     if isinstance(sinks, str):
         raise InputError(f"`log_to` {sinks}")
     if sinks != ("jsonl",):
-        if what not in ("lm", "all"):
-            raise InputError(f"`log_to` applies to lm (the study trained by the library's training loop), not {what}")
+        if what not in CURVES and what not in ("lm", "all"):
+            raise InputError(f"`log_to` applies to the studies that train: lm, {', '.join(CURVES)}, not {what}")
+        if "wandb" in sinks and what in CURVES:
+            raise InputError(
+                f"`log_to` wandb applies to lm (the study trained by the library's training loop), not {what}, whose "
+                "learning curves go to TensorBoard (tensorboard)"
+            )
         check_available(sinks)  # before any model trains
     out = Path(out)
     if what not in CONTINUED:
@@ -84,6 +92,10 @@ def run(
         else:
             source = Path(models) if models and what == name else None
             module.run(target, scale, seed_list, workers or 2, steps, logit_bits=logit_bits, models=source)
+            if "tensorboard" in sinks and source is None:  # trained here: each model's learning curve
+                from difftransformer.apps.repro.fit import curves_to_tensorboard
+
+                curves_to_tensorboard(json.loads((target / "results.json").read_text()), target)
         print(f"difftx repro {name}: done in {time.perf_counter() - start:.0f} s -> {target / 'section.md'}")
         sections.append((target / "section.md").read_text())
     report = out / "report.md"
