@@ -178,3 +178,7 @@ def test_bench_quantized_names_the_context_that_fits(trained, tmp_path, capsys):
     )
     assert capsys.readouterr().err.strip().endswith(expected)
     assert main([*argv, "--context", str(window - 3)]) == 0
+    capsys.readouterr()
+    tokens = ["--tokens", str(window), "--repeats", "1"]
+    assert main(["bench", "quantized", "--run", str(tmp_path / "q"), "--context", "1", *tokens]) == 2
+    assert capsys.readouterr().err.strip().endswith(f"use --tokens {window - 2} or fewer")  # no context would fit

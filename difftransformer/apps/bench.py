@@ -616,9 +616,11 @@ def bench_quantized(run: str | Path, contexts: list[int], tokens: int = 32, repe
     models = {name: load_run(path)[0] for name, path in paths.items()}
     longest, window = max(contexts) + tokens + 1, models["float"].config.max_seq_len  # + 1: the warm-up step
     if longest > window:
+        fits = window - tokens - 1
+        fix = f"use --context {fits} or less" if fits >= 1 else f"use --tokens {window - 2} or fewer"
         raise InputError(
             f"a context of {max(contexts)} plus {tokens} new tokens and a warm-up step needs {longest} positions, "
-            f"more than the model's context of {window}: use --context {window - tokens - 1} or less"
+            f"more than the model's context of {window}: {fix}"
         )
     sizes = {name: (list_checkpoints(path)[-1] / "model.safetensors").stat().st_size for name, path in paths.items()}
     with _Calls.tracking("decode", len(contexts) * repeats * len(models)):
