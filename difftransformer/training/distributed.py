@@ -11,7 +11,6 @@ process, DDP and FSDP alike.
 
 from __future__ import annotations
 
-import atexit
 import os
 import re
 from dataclasses import dataclass
@@ -38,26 +37,10 @@ class World:
     rank: int = 0
     size: int = 1
     device: torch.device = torch.device("cpu")
-    owns_group: bool = False  # init_world joined the process group: leave_world leaves it (a caller's group stays)
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
-
-
-_group_broke = False  # group_failure has seen the group break: it is not destroyed (torchrun ends the processes)
-
-
-def leave_world(world: World) -> None:
-    """Leave the process group that ``init_world`` joined for ``world`` (once; a group the caller made is left to
-    the caller; a group that broke is not touched). A process that ends with its group still up can abort at exit
-    (gloo's worker threads outlive the interpreter: SIGABRT, 'terminate called without an active exception', after
-    a run that finished), and NCCL warns that the group was not destroyed. ``Trainer.close`` calls it when the run
-    ends without an error; init_world registers it at exit for the rest (after an error, the group stays up until
-    the error is reported: ``group_failure`` reads it)."""
-    if world.owns_group and dist.is_initialized() and not _group_broke:
-        dist.destroy_process_group()
-    world.owns_group = False
 
 
 def init_world(device: str = "auto", timeout: float = 600) -> World:
@@ -68,8 +51,7 @@ def init_world(device: str = "auto", timeout: float = 600) -> World:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     launched = size > 1 or "TORCHELASTIC_RUN_ID" in os.environ  # torchrun: a group even of one process (its
     # collectives then run for real, as in benchmarks/gpu.sh's check of NCCL on one GPU)
-    owns = launched and not dist.is_initialized()
-    if owns:
+    if launched and not dist.is_initialized():
         backend = "nccl" if device == "cuda" else "gloo"
         wait = timedelta(seconds=timeout)
         store = _attempt_store(wait)
@@ -81,32 +63,20 @@ def init_world(device: str = "auto", timeout: float = 600) -> World:
     if device == "cuda":
         local = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local)
-        world = World(rank, size, torch.device("cuda", local), owns)
-    else:
-        world = World(rank, size, torch.device(device), owns)
-    if owns:
-        atexit.register(leave_world, world)
-    return world
+        return World(rank, size, torch.device("cuda", local))
+    return World(rank, size, torch.device(device))
 
 
 def _attempt_store(timeout: timedelta):
     """Under torchrun, whose agent's store outlives a restart of the group, that store with a prefix of its own for
-    this attempt and this join (None elsewhere: the default rendezvous). Without it, a restarted group found the
-    addresses its dead processes had left in the store, and connecting to them failed or hung (gloo's
-    connectFullMesh); a group joined again in the same attempt (a second ``train()`` after the first left its group)
-    would meet the first group's addresses the same way. Every process joins as many times, in the same order."""
-    global _joins
+    this attempt (None elsewhere: the default rendezvous). Without it, a restarted group found the addresses its
+    dead processes had left in the store, and connecting to them failed or hung (gloo's connectFullMesh)."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
     store = dist.TCPStore(
         os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]), False, timeout
     )
-    _joins += 1
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return dist.PrefixStore(f"difftx/attempt-{attempt}/join-{_joins}", store)
-
-
-_joins = 0  # groups this process has joined through torchrun's store (_attempt_store)
+    return dist.PrefixStore(f"difftx/attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
 def fsdp_policy(amp: torch.dtype | None):
@@ -220,8 +190,6 @@ def group_failure(err: BaseException) -> str | None:
     )
     if not broken:
         return None
-    global _group_broke
-    _group_broke = True
     first = text.strip().splitlines()[0] if text.strip() else type(err).__name__
     detail = re.sub(r"^\[[^\]]*\]\s*", "", first).split(". ")[0]  # without the source location and the advice
     return f"process {dist.get_rank()} of {dist.get_world_size()} stopped: the process group failed ({detail})"

@@ -63,7 +63,6 @@ from difftransformer.training.distributed import (
     barrier,
     full_state,
     init_world,
-    leave_world,
     load_full_state,
     parallelize,
     unwrap,
@@ -417,16 +416,11 @@ class Trainer:
         return False
 
     def close(self) -> None:
-        """Close the metric sinks, release the run directory (another trainer may then resume it) and, when no
-        error is on its way up, leave the process group if this trainer joined it (``leave_world``; after an error
-        the group is left at exit, once the error has been read: a broken group's error names the group only while
-        the group is up)."""
+        """Close the metric sinks and release the run directory (another trainer may then resume it)."""
         self._close_sinks()
         if self.lock is not None:
             self.lock.release()
             self.lock = None
-        if sys.exc_info()[1] is None:  # called from a `finally` or `except` of an error: that error is on its way
-            leave_world(self.world)
 
     def _close_sinks(self) -> None:
         sinks, self.sinks = self.sinks, []
