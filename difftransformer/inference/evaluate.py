@@ -89,20 +89,16 @@ def lm_eval_perplexity(
         >>> import json, tempfile
         >>> from transformers import AutoModelForCausalLM, AutoTokenizer
         >>> from difftransformer.interop.convert import run_to_hf
-        >>> from difftransformer import TrainConfig, train
-        >>> from difftransformer.store.data import prepare
+        >>> from difftransformer import ModelConfig, TransformerLM
+        >>> from difftransformer.store.runs import save_run
         >>> from difftransformer.store.tokenizer import ByteTokenizer
         >>> tmp = tempfile.mkdtemp()
-        >>> texts = ["To be, or not to be. " * 100] * 20
-        >>> _ = prepare(texts, ByteTokenizer(), f"{tmp}/data", split="documents", val_every=10)
-        >>> cfg = TrainConfig(data=f"{tmp}/data", out=f"{tmp}/run", max_steps=2, batch_size=2, seq_len=32,
-        ...                   eval_tokens=64)
-        >>> _ = train(cfg, quiet=True)
+        >>> _ = save_run(TransformerLM(ModelConfig.preset("tiny", vocab_size=257)), ByteTokenizer(), f"{tmp}/run", {})
         >>> hf = run_to_hf(f"{tmp}/run", f"{tmp}/hf")
         >>> texts = f"{tmp}/texts.jsonl"
         >>> _ = Path(texts).write_text(json.dumps({"text": "To be, or not to be."}))
         >>> model, tokenizer = AutoModelForCausalLM.from_pretrained(hf), AutoTokenizer.from_pretrained(hf)
-    >>> metrics = lm_eval_perplexity(model, tokenizer, texts)
+        >>> metrics = lm_eval_perplexity(model, tokenizer, texts)
         >>> sorted(metrics)
         ['bits_per_byte', 'byte_perplexity', 'word_perplexity']
     """

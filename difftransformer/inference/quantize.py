@@ -93,15 +93,11 @@ def quantize_run(
 
     Examples:
         >>> import tempfile
-        >>> from difftransformer import TrainConfig, train
-        >>> from difftransformer.store.data import prepare
+        >>> from difftransformer import ModelConfig, TransformerLM
+        >>> from difftransformer.store.runs import save_run
         >>> from difftransformer.store.tokenizer import ByteTokenizer
         >>> tmp = tempfile.mkdtemp()
-        >>> texts = ["To be, or not to be. " * 100] * 20
-        >>> _ = prepare(texts, ByteTokenizer(), f"{tmp}/data", split="documents", val_every=10)
-        >>> cfg = TrainConfig(data=f"{tmp}/data", out=f"{tmp}/run", max_steps=2, batch_size=2, seq_len=32,
-        ...                   eval_tokens=64)
-        >>> _ = train(cfg, quiet=True)
+        >>> _ = save_run(TransformerLM(ModelConfig.preset("tiny", vocab_size=257)), ByteTokenizer(), f"{tmp}/run", {})
         >>> record = quantize_run(f"{tmp}/run", "w8a16", f"{tmp}/run-w8a16")
         >>> record["scheme"]
         'w8a16'

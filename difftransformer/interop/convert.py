@@ -46,15 +46,11 @@ def run_to_hf(
 
     Examples:
         >>> import tempfile
-        >>> from difftransformer import TrainConfig, train
-        >>> from difftransformer.store.data import prepare
+        >>> from difftransformer import ModelConfig, TransformerLM
+        >>> from difftransformer.store.runs import save_run
         >>> from difftransformer.store.tokenizer import ByteTokenizer
         >>> tmp = tempfile.mkdtemp()
-        >>> texts = ["To be, or not to be. " * 100] * 20
-        >>> _ = prepare(texts, ByteTokenizer(), f"{tmp}/data", split="documents", val_every=10)
-        >>> cfg = TrainConfig(data=f"{tmp}/data", out=f"{tmp}/run", max_steps=2, batch_size=2, seq_len=32,
-        ...                   eval_tokens=64)
-        >>> _ = train(cfg, quiet=True)
+        >>> _ = save_run(TransformerLM(ModelConfig.preset("tiny", vocab_size=257)), ByteTokenizer(), f"{tmp}/run", {})
         >>> hf = run_to_hf(f"{tmp}/run", f"{tmp}/hf", license="mit")
         >>> sorted(p.name for p in hf.iterdir())[:3]
         ['README.md', 'config.json', 'generation_config.json']
@@ -139,15 +135,11 @@ def hf_to_run(hf_dir: str | Path, out_dir: str | Path, attention: str | None = N
 
     Examples:
         >>> import tempfile
-        >>> from difftransformer import TrainConfig, train
-        >>> from difftransformer.store.data import prepare
+        >>> from difftransformer import ModelConfig, TransformerLM
+        >>> from difftransformer.store.runs import save_run
         >>> from difftransformer.store.tokenizer import ByteTokenizer
         >>> tmp = tempfile.mkdtemp()
-        >>> texts = ["To be, or not to be. " * 100] * 20
-        >>> _ = prepare(texts, ByteTokenizer(), f"{tmp}/data", split="documents", val_every=10)
-        >>> cfg = TrainConfig(data=f"{tmp}/data", out=f"{tmp}/run", max_steps=2, batch_size=2, seq_len=32,
-        ...                   eval_tokens=64)
-        >>> _ = train(cfg, quiet=True)
+        >>> _ = save_run(TransformerLM(ModelConfig.preset("tiny", vocab_size=257)), ByteTokenizer(), f"{tmp}/run", {})
         >>> back = hf_to_run(run_to_hf(f"{tmp}/run", f"{tmp}/hf"), f"{tmp}/back")
         >>> (back / "model_config.json").is_file()
         True

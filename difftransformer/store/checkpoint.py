@@ -137,8 +137,8 @@ def _stale(checkpoints: list[Path], keep_last: int, keep_best: bool = False) -> 
         if calm:
             stale.remove(calm[-1])
     best = lowest_val_loss(checkpoints) if keep_best else None
-    if best is not None and best in stale:
-        stale.remove(best)
+    if best is not None and best[0] in stale:
+        stale.remove(best[0])
     return stale
 
 
@@ -157,10 +157,11 @@ def val_loss_of(checkpoint: Path) -> float | None:
     return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else None
 
 
-def lowest_val_loss(checkpoints: list[Path]) -> Path | None:
-    """The checkpoint with the lowest recorded validation loss (the earliest of equal ones; None if none has one)."""
-    scored = [(loss, p) for p in checkpoints if (loss := val_loss_of(p)) is not None]
-    return min(scored, key=lambda item: item[0])[1] if scored else None
+def lowest_val_loss(checkpoints: list[Path]) -> tuple[Path, float] | None:
+    """The checkpoint with the lowest recorded validation loss and that loss (the earliest of equal ones; None if
+    none records one)."""
+    scored = [(p, loss) for p in checkpoints if (loss := val_loss_of(p)) is not None]
+    return min(scored, key=lambda item: item[1]) if scored else None
 
 
 def is_calm(checkpoint: Path) -> bool:

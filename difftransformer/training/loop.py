@@ -39,7 +39,6 @@ from difftransformer.store.checkpoint import (
     lowest_val_loss,
     newest_calm,
     save_checkpoint,
-    val_loss_of,
 )
 from difftransformer.store.data import TokenData, WindowSampler, data_identity, eval_windows, verify_data
 from difftransformer.store.runs import (
@@ -260,9 +259,7 @@ class Trainer:
     def best_checkpoint(self) -> tuple[Path, float] | None:
         """The kept checkpoint with the lowest validation loss and that loss (checkpoints record it with
         keep_best, which validates at each); None when none records one."""
-        best = lowest_val_loss(list_checkpoints(self.run_dir))
-        loss = None if best is None else val_loss_of(best)
-        return None if best is None or loss is None else (best, loss)
+        return lowest_val_loss(list_checkpoints(self.run_dir))
 
     # run directory -------------------------------------------------------------------------------------------
     def _start_run_dir(self) -> None:

@@ -68,7 +68,7 @@ def _cell(text: str) -> str:
 def cli_markdown() -> str:
     """Every command: what it does, a table of its arguments (flag, default, meaning) and its examples."""
     from difftransformer.apps.cli import build_parser
-    from difftransformer.apps.cli.parsing import leaf_commands
+    from difftransformer.apps.cli.parsing import leaf_commands, shown_default
 
     parts = []
     for path, parser in leaf_commands(build_parser()):
@@ -79,13 +79,8 @@ def cli_markdown() -> str:
             name = ", ".join(f"`{flag}`" for flag in action.option_strings) or f"`{action.dest}` (positional)"
             if action.choices and not isinstance(action, argparse._SubParsersAction):
                 name += " " + "/".join(f"`{choice}`" for choice in action.choices)
-            if action.required and action.option_strings:
-                default = "required"
-            elif action.default in (None, False, argparse.SUPPRESS) or not action.option_strings:
-                default = ""
-            else:
-                value = action.default
-                default = f"`{' '.join(map(str, value)) if isinstance(value, list) else value}`"
+            shown = shown_default(action)
+            default = "required" if action.required and action.option_strings else "" if shown is None else f"`{shown}`"
             help_text = re.sub(r" \(default [^)]*\)$", "", action.help or "")
             rows.append(f"| {name} | {default} | {_cell(help_text)} |")
         example = "\n".join(line.strip() for line in (parser.epilog or "").splitlines()[1:])

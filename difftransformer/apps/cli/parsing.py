@@ -58,6 +58,15 @@ def config_flags(parser, config, skip: tuple[str, ...] = (), defaults: dict[str,
         parser.add_argument(flag, type=convert, choices=meta.get("choices"), metavar=metavar, help=text)
 
 
+def shown_default(action: argparse.Action) -> str | None:
+    """A flag's default as help shows it (a list's items joined by spaces); None when there is none to show (None,
+    False, a required flag's or a positional's)."""
+    value = action.default
+    if value is None or value is False or value == argparse.SUPPRESS or action.required or not action.option_strings:
+        return None
+    return " ".join(map(str, value)) if isinstance(value, list) else str(value)
+
+
 class Formatter(argparse.HelpFormatter):
     """Every flag's help ends with its default, unless the default is None or False or the help already says it,
     and a required flag's with "(required)"; a text of several lines (an epilog's examples) is kept as written."""
@@ -66,9 +75,8 @@ class Formatter(argparse.HelpFormatter):
         text = action.help or ""
         if action.required and action.option_strings:
             return text + " (required)"
-        hidden = action.default is None or action.default is False or action.default == argparse.SUPPRESS
-        if not hidden and "(default" not in text:
-            shown = " ".join(map(str, action.default)) if isinstance(action.default, list) else action.default
+        shown = shown_default(action)
+        if shown is not None and "(default" not in text:
             text += f" (default {shown})".replace("%", "%%")
         return text
 

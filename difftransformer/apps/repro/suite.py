@@ -4,7 +4,6 @@ and the quantization study on it, ``quant``, also continue an interrupted run in
 from __future__ import annotations
 
 import importlib
-import json
 import time
 from pathlib import Path
 
@@ -91,11 +90,11 @@ def run(
                 lm_study.run_long(target, scale, seed_list, workers, steps, corpora, log_to)
         else:
             source = Path(models) if models and what == name else None
-            module.run(target, scale, seed_list, workers or 2, steps, logit_bits=logit_bits, models=source)
+            result = module.run(target, scale, seed_list, workers or 2, steps, logit_bits=logit_bits, models=source)
             if "tensorboard" in sinks and source is None:  # trained here: each model's learning curve
                 from difftransformer.apps.repro.fit import curves_to_tensorboard
 
-                curves_to_tensorboard(json.loads((target / "results.json").read_text()), target)
+                curves_to_tensorboard(result, target)
         print(f"difftx repro {name}: done in {time.perf_counter() - start:.0f} s -> {target / 'section.md'}")
         sections.append((target / "section.md").read_text())
     report = out / "report.md"
