@@ -78,18 +78,39 @@ def test_masked_inputs_take_the_exact_pytorch_path():
     mask = torch.ones(2, 1, 12, 12, dtype=torch.bool, device=DEVICE)
     mask[0, :, :, :3] = False  # left padding of the first sequence
     mask[0, :, :3] = False
-    assert not triton_diff.supported(q, k, True, mask)
+    assert not triton_diff.supported(q, k, v, lam, True, mask)
     out = kernels.diff_attention(q, k, v, lam, scale=0.25, causal=True, mask=mask, impl="triton")
     ref = differential_attention(q, k, v, lam, scale=0.25, causal=True, mask=mask)[0]
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
 
 
 def test_supported_shapes():
-    q, k, _, _ = _inputs(1, 2, 2, 8, 8, 16)
-    assert triton_diff.supported(q, k, True, None)
-    assert not triton_diff.supported(q.double(), k.double(), True, None)  # no float64 kernel
-    assert not triton_diff.supported(q[..., :12], k[..., :12], True, None)  # head size 12
-    assert not triton_diff.supported(q, k[:, :, :, :4], True, None)  # causal with more queries than keys
+    q, k, v, lam = _inputs(1, 2, 2, 8, 8, 16)
+    assert triton_diff.supported(q, k, v, lam, True, None)
+    assert not triton_diff.supported(q.double(), k.double(), v.double(), lam, True, None)  # no float64 kernel
+    assert not triton_diff.supported(q[..., :12], k[..., :12], v[..., :24], lam, True, None)  # head size 12
+    assert not triton_diff.supported(q, k[:, :, :, :4], v[:, :, :4], lam, True, None)  # causal, more queries than keys
+
+
+def test_every_operand_must_share_the_queries_dtype_and_device():
+    q, k, v, lam = _inputs(1, 2, 2, 8, 8, 16)
+    bf16 = [t.detach().bfloat16() for t in (q, k, v)]
+    assert triton_diff.supported(*bf16, lam, True, None)
+    assert not triton_diff.supported(bf16[0], k, v, lam, True, None)  # bfloat16 queries, a float32 KV cache
+    assert not triton_diff.supported(q, k, v.bfloat16(), lam, True, None)
+    assert not triton_diff.supported(q, k, v, lam.to(torch.int64), True, None)
+    assert not triton_diff.supported(q, k, v, torch.tensor([0.3, 0.4], device=q.device), True, None)
+    assert not triton_diff.supported(q, k.to("meta"), v, lam, True, None)  # another device
+    assert not triton_diff.supported(q, k, v, lam.to("meta"), True, None)
+
+
+def test_mixed_dtypes_fall_back_to_the_exact_path():
+    """Under autocast, bfloat16 queries read a float32 KV cache: impl triton takes the auto path, not a mixed tl.dot."""
+    q, k, v, lam = (t.detach() for t in _inputs(1, 2, 2, 1, 12, 16))
+    with torch.autocast(DEVICE, dtype=torch.bfloat16), torch.no_grad():
+        out = kernels.diff_attention(q.bfloat16(), k, v, lam, scale=0.25, causal=True, impl="triton")
+    ref = differential_attention(q.bfloat16().float(), k, v, lam, scale=0.25, causal=True)[0]
+    torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.slow
@@ -116,3 +137,29 @@ def test_cpu_tensors_without_the_interpreter_get_a_clear_error(monkeypatch):
     monkeypatch.setattr(triton_diff, "_interpreting", lambda: False)
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
         triton_diff.diff_attention_triton(q, k, v, lam, 0.25, True)
+
+
+BF16, FP32 = torch.bfloat16, torch.float32
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "t, d, tile_dtype",
+    [(t, 64, dtype) for t in (1, 63, 65, 130, 1000) for dtype in (BF16, FP32)]
+    + [(65, 128, BF16), (1000, 128, BF16), (65, 128, FP32), (130, 128, FP32)],
+)
+def test_gpu_tiles_at_lengths_that_are_not_multiples_of_them(monkeypatch, tile_dtype, t, d):
+    """The tiles a GPU launches with (triton_diff.TILES, bfloat16's and float32's), run in the interpreter on float32
+    inputs at lengths off every tile boundary, forward and backward, against the float64 equations; GQA (two query
+    heads per group) so that dK and dV sum over a group."""
+    monkeypatch.setattr(triton_diff, "_launch_tiles", lambda kernel, d_, _: triton_diff.tiles(kernel, d_, tile_dtype))
+    q, k, v, lam = _inputs(1, 2, 1, t, t, d, seed=t)
+    out = triton_diff.diff_attention_triton(q, k, v, lam, d**-0.5, True)
+    grad = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v, lam), grad)
+    wide = [x.detach().double().requires_grad_() for x in (q, k, v, lam)]
+    ref = differential_attention(*wide, scale=d**-0.5, causal=True)[0]
+    ref_grads = torch.autograd.grad(ref, wide, grad.double())
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+    for name, got, want in zip(("dq", "dk", "dv", "dlambda"), grads, ref_grads, strict=True):
+        torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4, msg=name)

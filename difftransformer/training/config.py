@@ -8,9 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from difftransformer.core.config import ATTENTION_KINDS, PRESETS, ModelConfig
+from difftransformer.devices import device_problem
 from difftransformer.errors import ConfigError, Fields, InputError
 from difftransformer.fsutil import parse_json_object, read_text
 from difftransformer.training.distributed import PARALLEL_MODES
@@ -258,26 +257,6 @@ def _build(fields: dict[str, Any], out: str, where: str, changed) -> TrainConfig
         if err.field in changed:
             raise
         raise InputError(f"{where}: {err}") from None
-
-
-def device_problem(device: object) -> str | None:
-    """What is wrong with a device name on this machine (None when it can be used)."""
-    if device == "auto":
-        return None
-    try:
-        parsed = torch.device(device) if isinstance(device, str) else None
-    except (RuntimeError, TypeError, ValueError):
-        parsed = None
-    if parsed is None or parsed.type not in ("cpu", "cuda", "mps"):
-        return f"must be 'auto', 'cpu', 'cuda', 'cuda:N' or 'mps', got {device!r}"
-    if parsed.type == "cuda":
-        if not torch.cuda.is_available():
-            return f"is {device!r}, but no CUDA GPU is available here (or torch is a CPU build); use cpu or auto"
-        if parsed.index is not None and parsed.index >= torch.cuda.device_count():
-            return f"is {device!r}, but this machine has {torch.cuda.device_count()} GPU(s)"
-    if parsed.type == "mps" and not torch.backends.mps.is_available():
-        return f"is {device!r}, but MPS is not available here; use cpu or auto"
-    return None
 
 
 def resume_config(run_dir: str | Path, max_steps: int | None = None, **changes: Any) -> TrainConfig:

@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from difftransformer.devices import resolve_device
 from difftransformer.errors import InputError
 
 PARALLEL_MODES = ("none", "ddp", "fsdp")
@@ -43,16 +44,18 @@ class World:
         return self.rank == 0
 
 
-def init_world(device: str = "auto", timeout: float = 600) -> World:
-    """Join the torchrun process group when launched by torchrun (collectives time out after ``timeout`` seconds);
-    pick the device."""
+def init_world(device: str | torch.device = "auto", timeout: float = 600) -> World:
+    """Pick the device (``devices.resolve_device``: ``cuda`` is LOCAL_RANK's GPU), make it this process's current
+    GPU, then join the torchrun process group when launched by it (NCCL on a GPU, gloo elsewhere; collectives time
+    out after ``timeout`` seconds)."""
+    device = resolve_device(device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # before the group: NCCL binds each process to its current GPU
     size = int(os.environ.get("WORLD_SIZE", "1"))
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
     launched = size > 1 or "TORCHELASTIC_RUN_ID" in os.environ  # torchrun: a group even of one process (its
     # collectives then run for real, as in benchmarks/gpu.sh's check of NCCL on one GPU)
     if launched and not dist.is_initialized():
-        backend = "nccl" if device == "cuda" else "gloo"
+        backend = "nccl" if device.type == "cuda" else "gloo"
         wait = timedelta(seconds=timeout)
         store = _attempt_store(wait)
         if store is None:
@@ -60,11 +63,7 @@ def init_world(device: str = "auto", timeout: float = 600) -> World:
         else:
             dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]), world_size=size, timeout=wait)
     rank = dist.get_rank() if dist.is_initialized() else 0
-    if device == "cuda":
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local)
-        return World(rank, size, torch.device("cuda", local))
-    return World(rank, size, torch.device(device))
+    return World(rank, size, device)
 
 
 def _attempt_store(timeout: timedelta):

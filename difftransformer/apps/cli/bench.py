@@ -13,8 +13,8 @@ def _bench(args: argparse.Namespace) -> int:
     import torch
 
     from difftransformer.apps import bench
+    from difftransformer.devices import device_problem
     from difftransformer.errors import ConfigError
-    from difftransformer.training.config import device_problem
 
     if (problem := device_problem(getattr(args, "device", "cpu"))) is not None:
         raise ConfigError("bench", "device", problem)

@@ -11,8 +11,8 @@ import time
 from pathlib import Path
 
 from difftransformer.apps.repro import lm, lm_long, lm_report
+from difftransformer.devices import device_problem
 from difftransformer.errors import InputError
-from difftransformer.training.config import device_problem
 
 
 def run(

@@ -296,7 +296,7 @@ def _triton(q, k, v, lambda_full, *, scale, causal=True, mask=None):
         raise ImportError(
             "attention impl 'triton' needs Triton: pip install 'difftransformer[triton]' (or use impl 'auto')"
         ) from err
-    if triton_diff.supported(q, k, causal, mask):
+    if triton_diff.supported(q, k, v, lambda_full, causal, mask):
         return triton_diff.diff_attention_triton(q, k, v, lambda_full, scale, causal)
     return _auto(q, k, v, lambda_full, scale=scale, causal=causal, mask=mask)
 

@@ -21,26 +21,45 @@ before this module is imported) runs the same kernels on CPU tensors; the test s
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
-# Large and finite, so masked scores give exp2(...) == 0 without inf - inf; every row has a real key.
-NEG = -1.0e30
+# Large and finite, so masked scores give exp2(...) == 0 without inf - inf; every row has a real key. A constexpr: a
+# compiled kernel reads no plain Python global (only the interpreter does).
+NEG: tl.constexpr = tl.constexpr(-1.0e30)
 
 
-def supported(q: torch.Tensor, k: torch.Tensor, causal: bool, mask: torch.Tensor | None) -> bool:
-    """Whether the kernels handle these inputs (else kernels.py uses a PyTorch path)."""
-    d = q.shape[-1]
+HEAD_DIMS = (16, 32, 64, 128)
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def supported(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lambda_full: torch.Tensor,
+    causal: bool,
+    mask: torch.Tensor | None,
+) -> bool:
+    """Whether the kernels handle these inputs (else kernels.py uses a PyTorch path): no boolean mask, every query row
+    with a key when causal, a head size the tiles cover, and q, k and v of one supported dtype with lambda, all on
+    one device (a float32 KV cache read by bfloat16 queries under autocast falls back)."""
     return (
         mask is None
         and (not causal or q.shape[3] <= k.shape[3])
-        and d in (16, 32, 64, 128)
-        and q.dtype in (torch.float32, torch.float16, torch.bfloat16)
+        and q.shape[-1] in HEAD_DIMS
+        and q.dtype in DTYPES
+        and k.dtype == v.dtype == q.dtype
+        and lambda_full.is_floating_point()
+        and lambda_full.numel() == 1
+        and k.device == v.device == lambda_full.device == q.device
     )
 
 
@@ -247,10 +266,56 @@ def _strides(q, k, v):
     return (*q.stride()[:4], *k.stride()[:4], *v.stride()[:3])
 
 
-def _blocks(d: int, interpret: bool) -> tuple[int, int]:
-    if interpret:  # the interpreter's cost grows with tile size; small tiles exercise the edge masks too
-        return 16, 16
-    return (64, 64) if d <= 64 else (64, 32)
+@dataclass(frozen=True)
+class Tiles:
+    """How one kernel is launched: query rows and keys per tile, warps per program, software-pipeline stages."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+# the kernels by name: what the launch tiles and the compile check (tests/test_triton_compile.py) key on
+KERNELS = {"forward": _fwd_kernel, "backward_dkdv": _bwd_dkdv_kernel, "backward_dq": _bwd_dq_kernel}
+# (kernel, half-head size d, bytes per element) -> tiles. Chosen from ptxas's reports for sm_90a (H100, H200) and
+# sm_80 (A100), compiled on a machine without a GPU (tests/test_triton_compile.py checks every entry): the largest
+# tiles with no register spill and shared memory within both targets' limits; not tuned for speed, which only a GPU
+# can measure. The forward holds two 2d-wide float32 accumulators per query row (one per map), the dK/dV kernel
+# 4d float32 values per key, which is what limits the tiles at d = 128 and in float32.
+_FP16, _FP32 = 2, 4
+TILES: dict[tuple[str, int, int], Tiles] = {
+    **{("forward", d, _FP16): Tiles(64, 64, 8, 2) for d in (16, 32, 64)},
+    ("forward", 128, _FP16): Tiles(32, 32, 8, 2),
+    **{("backward_dkdv", d, _FP16): Tiles(32, 32, 8, 2) for d in HEAD_DIMS},
+    **{("backward_dq", d, _FP16): Tiles(32, 32, 4, 2) for d in (16, 32, 64)},
+    ("backward_dq", 128, _FP16): Tiles(32, 32, 8, 2),
+    # float32: tl.dot in IEEE precision (no tensor cores), whose unrolled products need smaller tiles
+    **{("forward", d, _FP32): Tiles(32, 32, 8, 1) for d in (16, 32, 64)},
+    ("forward", 128, _FP32): Tiles(32, 16, 8, 1),
+    **{("backward_dkdv", d, _FP32): Tiles(16, 16, 4, 1) for d in (16, 32, 64)},
+    ("backward_dkdv", 128, _FP32): Tiles(16, 16, 4, 2),
+    **{("backward_dq", d, _FP32): Tiles(16, 32, 8, 1) for d in HEAD_DIMS},
+}
+# The interpreter's cost grows with the tile size: small tiles there (which exercise the edge masks too); None runs
+# the GPU's tiles in the interpreter (tests/test_triton.py does, at lengths that are not multiples of them).
+INTERPRETER_TILES: Tiles | None = Tiles(16, 16, 4, 1)
+
+
+def tiles(kernel: str, d: int, dtype: torch.dtype) -> Tiles:
+    """The tiles ``kernel`` (one of KERNELS) is launched with on a GPU, for half-heads of size ``d`` in ``dtype``."""
+    return TILES[kernel, d, torch.empty((), dtype=dtype).element_size()]
+
+
+def _launch_tiles(kernel: str, d: int, dtype: torch.dtype) -> Tiles:
+    if _interpreting() and INTERPRETER_TILES is not None:
+        return INTERPRETER_TILES
+    return tiles(kernel, d, dtype)
+
+
+def _on(device: torch.device):
+    """The inputs' GPU as the current one while kernels launch (Triton launches on the current device)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 class TritonDiffAttention(torch.autograd.Function):
@@ -263,15 +328,16 @@ class TritonDiffAttention(torch.autograd.Function):
         out = q.new_empty(b, h, tq, 2 * d)
         o2 = torch.empty_like(out)
         lse = torch.empty(b, h, 2, tq, dtype=torch.float32, device=q.device)
-        block_m, block_n = _blocks(d, _interpreting())
+        fwd = _launch_tiles("forward", d, q.dtype)
         prec = "ieee" if q.dtype == torch.float32 else "tf32"
-        grid = (triton.cdiv(tq, block_m), b * h)
-        _fwd_kernel[grid](
-            q, k, v, lam, out, o2, lse, *_strides(q, k, v), h, h // hkv, tq, tk, scale * LOG2E,
-            CAUSAL=causal, D=d, BLOCK_M=block_m, BLOCK_N=block_n, PREC=prec,
-        )  # fmt: skip
+        with _on(q.device):
+            _fwd_kernel[(triton.cdiv(tq, fwd.block_m), b * h)](
+                q, k, v, lam, out, o2, lse, *_strides(q, k, v), h, h // hkv, tq, tk, scale * LOG2E,
+                CAUSAL=causal, D=d, BLOCK_M=fwd.block_m, BLOCK_N=fwd.block_n, PREC=prec,
+                num_warps=fwd.num_warps, num_stages=fwd.num_stages,
+            )  # fmt: skip
         ctx.save_for_backward(q, k, v, lam, out, o2, lse)
-        ctx.scale, ctx.causal, ctx.tiles = scale, causal, (block_m, block_n, prec)
+        ctx.scale, ctx.causal, ctx.prec = scale, causal, prec
         ctx.lambda_meta = (lambda_full.dtype, lambda_full.shape)
         return out
 
@@ -289,16 +355,19 @@ class TritonDiffAttention(torch.autograd.Function):
         dq = torch.empty_like(q, memory_format=torch.contiguous_format)
         dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
         dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-        block_m, block_n, prec = ctx.tiles  # as in the forward
-        strides = _strides(q, k, v)
-        _bwd_dkdv_kernel[(triton.cdiv(tk, block_n), b * hkv)](
-            q, k, v, lam, do, lse, delta, dk, dv, *strides, h, hkv, h // hkv, tq, tk, ctx.scale * LOG2E,
-            CAUSAL=ctx.causal, D=d, BLOCK_M=block_m, BLOCK_N=block_n, PREC=prec,
-        )  # fmt: skip
-        _bwd_dq_kernel[(triton.cdiv(tq, block_m), b * h)](
-            q, k, v, lam, do, lse, delta, dq, *strides, h, h // hkv, tq, tk, ctx.scale * LOG2E,
-            CAUSAL=ctx.causal, D=d, BLOCK_M=block_m, BLOCK_N=block_n, PREC=prec,
-        )  # fmt: skip
+        strides, qk_scale = _strides(q, k, v), ctx.scale * LOG2E
+        dkdv, dqt = _launch_tiles("backward_dkdv", d, q.dtype), _launch_tiles("backward_dq", d, q.dtype)
+        with _on(q.device):
+            _bwd_dkdv_kernel[(triton.cdiv(tk, dkdv.block_n), b * hkv)](
+                q, k, v, lam, do, lse, delta, dk, dv, *strides, h, hkv, h // hkv, tq, tk, qk_scale,
+                CAUSAL=ctx.causal, D=d, BLOCK_M=dkdv.block_m, BLOCK_N=dkdv.block_n, PREC=ctx.prec,
+                num_warps=dkdv.num_warps, num_stages=dkdv.num_stages,
+            )  # fmt: skip
+            _bwd_dq_kernel[(triton.cdiv(tq, dqt.block_m), b * h)](
+                q, k, v, lam, do, lse, delta, dq, *strides, h, h // hkv, tq, tk, qk_scale,
+                CAUSAL=ctx.causal, D=d, BLOCK_M=dqt.block_m, BLOCK_N=dqt.block_n, PREC=ctx.prec,
+                num_warps=dqt.num_warps, num_stages=dqt.num_stages,
+            )  # fmt: skip
         dtype, shape = ctx.lambda_meta
         return dq, dk, dv, dlam.to(dtype).reshape(shape), None, None
 
