@@ -5,6 +5,7 @@ import json
 
 import pytest
 import torch
+from conftest import optional
 
 from difftransformer.apps import bench
 from difftransformer.apps.cli import main
@@ -90,20 +91,59 @@ def test_saved_activation_bytes_counts_what_backward_keeps():
 @pytest.mark.slow
 def test_bench_train_smoke(tmp_path, capsys):
     out = tmp_path / "train.json"
-    assert (
-        main(
-            ["bench", "train", "--preset", "tiny", "--seq", "32", "--batch", "2", "--repeats", "1", "--json", str(out)]
-        )
-        == 0
-    )
+    args = ["bench", "train", "--preset", "tiny", "--seq", "32", "--batch", "2", "--repeats", "1", "--json", str(out)]
+    assert main(args) == 0
     table = capsys.readouterr().out
-    assert "HF DiffLlama ms" in table and "diff / matmul" in table
+    assert "HF DiffLlama ms" in table and "diff / matmul" in table and "float32 matrix-product rate" in table
     result = json.loads(out.read_text())
     row = result["rows"][0]
     assert set(row["seconds"]) == {"diff", "standard", "hf-diffllama"}
     assert all(v > 0 for v in row["activation_bytes"].values())
     assert len(result["matmul"]["flops_per_s"]) == 2 and min(result["matmul"]["flops_per_s"]) > 0
     assert row["step_flops"]["hf-diffllama"] == row["step_flops"]["diff"] > 0  # the same architecture's count
+
+
+def test_bench_train_times_the_trainers_step(monkeypatch):
+    """bfloat16 means the trainer's recipe: float32 weights under bfloat16 autocast, the trainer's fused AdamW and
+    its clipping (training/step.optimizer_step), not a model cast to bfloat16 with a plain AdamW; the utilisation is
+    against a bfloat16 matrix product."""
+    from difftransformer.training import step
+
+    calls, real = [], step.optimizer_step
+
+    def spy(model, optimizer, micro_batches, lr, grad_clip, device, amp=None):
+        calls.append((model, optimizer, micro_batches[0][0].shape, amp))
+        return real(model, optimizer, micro_batches, lr, grad_clip, device, amp)
+
+    monkeypatch.setattr(step, "optimizer_step", spy)
+    result = bench.bench_train("tiny", [16], batch=2, repeats=1, dtype=torch.bfloat16)
+    names = set(result["rows"][0]["seconds"])
+    assert len(calls) == 2 * len(names)  # a warm-up and a timed step of each model
+    for model, optimizer, shape, amp in calls:
+        assert amp == torch.bfloat16 and shape == (2, 16)
+        assert all(p.dtype == torch.float32 for p in model.parameters())
+        assert all(group["fused"] for group in optimizer.param_groups)
+        assert [g["weight_decay"] for g in optimizer.param_groups] == [0.05, 0.0]
+    assert result["matmul"]["dtype"] == "bfloat16" and result["step"].startswith("trainer: float32 weights, bfloat16")
+
+
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+def test_the_hf_attention_columns_are_causal(impl):
+    """bench attention's Hugging Face layers attend causally (its eager column once ran without a mask): a change
+    to the last token leaves every earlier output as it was, and eager and SDPA agree."""
+    optional("transformers")
+    torch.manual_seed(0)
+    layer = bench._HFDiffLlamaAttention(64, 4, impl)
+    other = bench._HFDiffLlamaAttention(64, 4, "sdpa" if impl == "eager" else "eager")
+    other.load_state_dict(layer.state_dict())
+    x = torch.randn(1, 12, 64)
+    changed = x.clone()
+    changed[:, -1] += 1.0
+    with torch.no_grad():
+        out, out_changed, out_other = layer(x), layer(changed), other(x)
+    torch.testing.assert_close(out[:, :-1], out_changed[:, :-1], rtol=0, atol=1e-6)
+    assert (out[:, -1] - out_changed[:, -1]).abs().max() > 1e-3
+    torch.testing.assert_close(out, out_other, rtol=1e-5, atol=1e-5)
 
 
 def test_bench_decode_counts_every_rows_token_at_batch_8(tmp_path, capsys):

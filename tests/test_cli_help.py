@@ -87,7 +87,7 @@ def _script_commands(text: str) -> list[list[str]]:
 
 @pytest.mark.parametrize("script", ["cpu.sh", "gpu.sh"])  # lm_gpu.sh builds its command in an array
 def test_the_benchmark_scripts_commands_parse(script):
-    """gpu.sh's --dry-run (tests/test_gpu_script.py) skips the GPU benchmarks: their flags are checked here."""
+    """gpu.sh's --cpu run (tests/test_gpu_script.py) skips the GPU benchmarks: their flags are checked here."""
     from pathlib import Path
 
     text = (Path(__file__).resolve().parents[1] / "benchmarks" / script).read_text()

@@ -24,7 +24,6 @@ ABSOLUTE = re.compile(_UNIX + r"|[A-Z]:\\{1,2}Users")
 # (file, text of the line): overridable defaults of scratch directories, not paths of a machine's artifacts.
 ALLOWED = {
     ("benchmarks/gpu.sh", "OUT=${OUT:-/tmp/gpu-out}"),
-    ("benchmarks/gpu.sh", "WORK=${WORK:-/tmp/gpu-work}"),
 }
 
 

@@ -15,6 +15,7 @@ from difftransformer.core.attention.diff import differential_attention
 from difftransformer.core.config import ModelConfig
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.gpu  # on CUDA tensors where there is a GPU (benchmarks/gpu.sh part 1)
 
 
 def _inputs(b, h, hkv, tq, tk, d, seed=0):

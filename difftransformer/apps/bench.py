@@ -118,7 +118,9 @@ def median_times(fns: dict[str, Callable[[], None]], repeats: int, warmup: int =
 
 
 class _HFDiffLlamaAttention(torch.nn.Module):
-    """Hugging Face DiffLlama's attention layer with its rotary embedding, called like ours (causal, no mask)."""
+    """Hugging Face DiffLlama's attention layer with its rotary embedding, called like ours: causal. SDPA attention
+    makes itself causal when given no mask (as DiffLlamaModel calls it); eager attention needs the additive causal
+    mask its model would build."""
 
     def __init__(self, dim: int, heads: int, impl: str) -> None:
         super().__init__()
@@ -133,11 +135,17 @@ class _HFDiffLlamaAttention(torch.nn.Module):
             num_hidden_layers=1,
         )
         cfg._attn_implementation = impl
+        self.impl = impl
         self.attn, self.rotary = DiffLlamaAttention(cfg, layer_idx=0), DiffLlamaRotaryEmbedding(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(x.shape[1], device=x.device)[None]
-        return self.attn(x, position_embeddings=self.rotary(x, positions), attention_mask=None)[0]
+        t = x.shape[1]
+        positions = torch.arange(t, device=x.device)[None]
+        mask = None
+        if self.impl == "eager":
+            future = torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1)
+            mask = torch.zeros(1, 1, t, t, dtype=x.dtype, device=x.device).masked_fill(future, torch.finfo(x.dtype).min)
+        return self.attn(x, position_embeddings=self.rotary(x, positions), attention_mask=mask)[0]
 
 
 def diff_impls(device: str) -> tuple[str, ...]:
@@ -297,10 +305,42 @@ def _lm_loss(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten())
 
 
-def _train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor) -> None:
-    _lm_loss(model, x).backward()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+class _Logits(torch.nn.Module):
+    """A transformers causal LM called as ours: tokens in, logits out."""
+
+    def __init__(self, hf_model: torch.nn.Module) -> None:
+        super().__init__()
+        self.hf = hf_model
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.hf(tokens).logits
+
+
+def trainer_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
+    """The trainer's AdamW for ``model`` (training/step.make_optimizer with TrainConfig's defaults: fused where
+    PyTorch has it, weight decay on matrices only)."""
+    from difftransformer.training.config import TrainConfig
+    from difftransformer.training.step import make_optimizer
+
+    return make_optimizer(model, TrainConfig(data="-", out="-"))
+
+
+def trainer_step(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, amp: torch.dtype | None = None
+) -> None:
+    """One training step as ``difftx train`` takes it (training/step.optimizer_step: autocast to ``amp`` over float32
+    weights, gradient clipping, the non-finite guard, the optimizer) on the tokens ``x`` (B, T + 1)."""
+    from difftransformer.training.step import optimizer_step
+
+    device = next(model.parameters()).device
+    optimizer_step(model, optimizer, [(x[:, :-1], x[:, 1:])], 1e-4, 1.0, device, amp)
+
+
+def _autocast_loss(model: torch.nn.Module, x: torch.Tensor, amp: torch.dtype | None) -> torch.Tensor:
+    """The loss of ``x`` under the step's autocast (what the step's backward keeps activations for)."""
+    device = next(model.parameters()).device
+    with torch.autocast(device.type, dtype=amp or torch.float32, enabled=amp is not None):
+        return _lm_loss(model, x)
 
 
 def bench_train(
@@ -311,15 +351,21 @@ def bench_train(
     device: str = "cpu",
     dtype: torch.dtype = torch.float32,
 ) -> dict:
-    """A training step (forward, backward, AdamW) and its activation memory: our DIFF, our standard, and Hugging Face
-    DiffLlama (its SDPA attention) built from our DIFF model's config and weights. With a GPU and Triton, also our
-    DIFF with the Triton kernel (``diff-triton``)."""
+    """A training step as the trainer takes it (float32 weights, autocast to ``dtype`` when it is not float32, the
+    trainer's fused AdamW, clipping) and its activation memory: our DIFF, our standard, and Hugging Face DiffLlama
+    (its SDPA attention) built from our DIFF model's config and weights. With a GPU and Triton, also our DIFF with
+    the Triton kernel (``diff-triton``). Utilisation is measured against a matrix product in the same dtype and TF32
+    setting."""
+    from difftransformer.training.step import use_tf32
+
     seqs = seqs or [256, 1024, 2048]
+    amp = None if dtype == torch.float32 else dtype
+    tf32 = use_tf32(torch.device(device), amp)  # as the trainer sets it
     n_models = 2 + ("triton" in diff_impls(device)) + (importlib.util.find_spec("transformers") is not None)
-    rates = [matmul_rate(device=device)]  # the machine's limit, before and after the steps (the larger is used)
+    rates = [matmul_rate(device=device, dtype=dtype)]  # the machine's limit, before and after the steps (the larger)
     with _Calls.tracking("train", len(seqs) * n_models * (1 + repeats)):
-        rows = [_train_row(preset, t, batch, repeats, device, dtype) for t in seqs]
-    rates.append(matmul_rate(device=device))
+        rows = [_train_row(preset, t, batch, repeats, device, amp) for t in seqs]
+    rates.append(matmul_rate(device=device, dtype=dtype))
     cfg = ModelConfig.preset(preset)
     result = _result(
         "train",
@@ -336,12 +382,14 @@ def bench_train(
         device,
         dtype,
     )
-    result["matmul"] = {"size": MATMUL_SIZE, "dtype": "float32", "flops_per_s": rates}
+    result["step"] = "trainer: float32 weights" + (f", {str(dtype)[6:]} autocast" if amp else "") + ", fused AdamW"
+    result["matmul"] = {"size": MATMUL_SIZE, "dtype": str(dtype)[6:], "tf32": tf32, "flops_per_s": rates}
     return result
 
 
-def _train_row(preset: str, t: int, batch: int, repeats: int, device: str, dtype: torch.dtype) -> dict:
-    """bench_train's row of one sequence length: step seconds and saved activation bytes of each model."""
+def _train_row(preset: str, t: int, batch: int, repeats: int, device: str, amp: torch.dtype | None) -> dict:
+    """bench_train's row of one sequence length: step seconds and saved activation bytes of each model, each step on
+    t tokens per row."""
     models: dict[str, torch.nn.Module] = {}
     for attention in ("diff", "standard"):
         torch.manual_seed(0)
@@ -354,20 +402,20 @@ def _train_row(preset: str, t: int, batch: int, repeats: int, device: str, dtype
 
         hf = to_hf(models["diff"]).train()
         hf.config._attn_implementation = "sdpa"
-        models["hf-diffllama"] = hf
+        models["hf-diffllama"] = _Logits(hf)  # its own causal mask: SDPA's is_causal
     except ImportError:
         pass
     for m in models.values():
-        m.to(device, dtype)
-    x = torch.randint(0, models["diff"].config.vocab_size, (batch, t), device=device)
-    optimizers = {n: torch.optim.AdamW(m.parameters(), lr=1e-4, foreach=False) for n, m in models.items()}
-
-    seconds = median_times({n: partial(_train_step, m, optimizers[n], x) for n, m in models.items()}, repeats)
-    memory = {n: saved_activation_bytes(partial(_lm_loss, m, x)) for n, m in models.items()}
+        m.to(device)  # float32 weights, as the trainer keeps them
+    vocab = models["diff"].config.vocab_size
+    x = torch.randint(0, vocab, (batch, t + 1), device=device)  # t tokens in, t targets
+    optimizers = {n: trainer_optimizer(m) for n, m in models.items()}
+    seconds = median_times({n: partial(trainer_step, m, optimizers[n], x, amp) for n, m in models.items()}, repeats)
+    memory = {n: saved_activation_bytes(partial(_autocast_loss, m, x, amp)) for n, m in models.items()}
     for m in models.values():
         m.zero_grad(set_to_none=True)
-    # the models see t - 1 tokens per row (_lm_loss); HF DiffLlama and diff-triton do DIFF's count
-    flops = {n: step_flops(models["standard" if n == "standard" else "diff"].config, batch, t - 1) for n in models}
+    # HF DiffLlama and diff-triton do DIFF's count
+    flops = {n: step_flops(models["standard" if n == "standard" else "diff"].config, batch, t) for n in models}
     return {"seq": t, "seconds": seconds, "activation_bytes": memory, "step_flops": flops}
 
 
@@ -376,8 +424,8 @@ def format_train(result: dict) -> str:
     lines = [
         _title(result),
         f"preset {s['preset']} (d_model {s['d_model']}, {s['n_layers']} layers, head size {s['head_dim']}), batch "
-        f"{s['batch']}; step = forward + backward + AdamW, median of {result['repeats']} interleaved repeats; "
-        "activations = bytes autograd saves for backward",
+        f"{s['batch']}; step = forward + backward + AdamW ({result.get('step', 'plain AdamW, weights in the dtype')}), "
+        f"median of {result['repeats']} interleaved repeats; activations = bytes autograd saves for backward",
         "",
         "| T | standard ms | DIFF ms | HF DiffLlama ms | DIFF/standard | DIFF/HF | activations std MiB | DIFF MiB | "
         "HF MiB | DIFF/HF memory | DIFF/std memory |",
@@ -420,10 +468,11 @@ def _utilisation_lines(result: dict) -> list[str]:
         return []  # a result written before the count existed
     mm = result["matmul"]
     rate = max(mm["flops_per_s"])
+    mm_dtype = mm.get("dtype", "float32") + (" (TF32)" if mm.get("tf32") else "")
     names = [n for n in ("standard", "diff", "hf-diffllama") if n in result["rows"][0]["seconds"]]
     lines = [
         "",
-        f"Achieved FLOP/s of a step against this machine's float32 matrix-product rate: torch.mm of {mm['size']} x "
+        f"Achieved FLOP/s of a step against this machine's {mm_dtype} matrix-product rate: torch.mm of {mm['size']} x "
         f"{mm['size']} at the same threads, {', '.join(f'{r / 1e9:.1f}' for r in mm['flops_per_s'])} GFLOP/s "
         f"before and after the steps (the larger used). FLOPs counted as bench_machine.step_flops: 6 x "
         "(non-embedding parameters + output projection) x tokens + the causal attention products x 3.",

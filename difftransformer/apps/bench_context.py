@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from difftransformer.apps.bench import _lm_loss, _result, machine
+from difftransformer.apps.bench import _Logits, _result, machine, trainer_optimizer, trainer_step
 from difftransformer.core.config import ModelConfig
 from difftransformer.core.model import TransformerLM
 from difftransformer.errors import InputError
@@ -199,14 +199,13 @@ def _prefill(model, t: int, batch: int) -> None:
 
 
 def _train(model):
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
+    """A training step as the trainer takes it (float32, its AdamW), on ``batch`` rows of t tokens."""
+    lm = model if isinstance(model, TransformerLM) else _Logits(model)  # transformers: logits out, as ours
+    optimizer, vocab = trainer_optimizer(lm), model.config.vocab_size
 
-    def step(model, t: int, batch: int) -> None:
-        model.train()
-        ids = torch.randint(0, model.config.vocab_size, (batch, t + 1))  # t tokens in, t targets
-        _lm_loss(model, ids).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+    def step(_, t: int, batch: int) -> None:
+        lm.train()
+        trainer_step(lm, optimizer, torch.randint(0, vocab, (batch, t + 1)))  # t tokens in, t targets
 
     return step
 

@@ -53,13 +53,16 @@ def _attention_width(config: ModelConfig) -> int:
     return heads * d
 
 
-def matmul_rate(size: int = MATMUL_SIZE, repeats: int = 5, device: str = "cpu") -> float:
-    """The machine's float32 matrix-product rate in FLOP/s: the median of ``repeats`` timed ``torch.mm`` of two
-    ``size`` x ``size`` matrices after one warm-up, at torch's current thread count."""
+def matmul_rate(
+    size: int = MATMUL_SIZE, repeats: int = 5, device: str = "cpu", dtype: torch.dtype = torch.float32
+) -> float:
+    """The machine's matrix-product rate in ``dtype`` in FLOP/s (float32 with TF32 where PyTorch's switch has it on):
+    the median of ``repeats`` timed ``torch.mm`` of two ``size`` x ``size`` matrices after one warm-up, at torch's
+    current thread count."""
     g = torch.Generator().manual_seed(0)
-    a = torch.randn(size, size, generator=g).to(device)
-    b = torch.randn(size, size, generator=g).to(device)
-    out = torch.empty(size, size, device=device)
+    a = torch.randn(size, size, generator=g).to(device, dtype)
+    b = torch.randn(size, size, generator=g).to(device, dtype)
+    out = torch.empty(size, size, device=device, dtype=dtype)
     times = []
     for i in range(repeats + 1):
         if device.startswith("cuda"):

@@ -12,8 +12,9 @@ from difftransformer.apps.bench import (
     _core_inputs,
     _core_standard,
     _result,
-    _train_step,
     median_times,
+    trainer_optimizer,
+    trainer_step,
 )
 from difftransformer.core.config import ModelConfig
 from difftransformer.core.model import TransformerLM
@@ -65,9 +66,8 @@ def _steps(preset: str, batch: int, t: int) -> dict:
     for attention in ("diff", "standard"):
         torch.manual_seed(0)
         model = TransformerLM(ModelConfig.preset(preset, attention=attention, max_seq_len=t))
-        x = torch.randint(0, model.config.vocab_size, (batch, t)) if x is None else x
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
-        fns[attention] = partial(_train_step, model, optimizer, x)
+        x = torch.randint(0, model.config.vocab_size, (batch, t + 1)) if x is None else x  # t tokens in
+        fns[attention] = partial(trainer_step, model, trainer_optimizer(model), x)
     return fns
 
 

@@ -26,6 +26,7 @@ RESUMABLE = (
     "grad_accum",
     "compile",
     "checkpoint_activations",
+    "deterministic",
     "eval_interval",
     "log_interval",
     "log_to",
@@ -123,6 +124,14 @@ class TrainConfig:
     checkpoint_activations: bool = field(
         default=False, metadata=_help("recompute each block in backward instead of keeping its activations")
     )
+    deterministic: bool = field(
+        default=False,
+        metadata=_help(
+            "deterministic algorithms only (torch.use_deterministic_algorithms): on a GPU a resumed run then repeats "
+            "an uninterrupted one bit for bit, at some cost in speed; an operation without such an algorithm stops "
+            "the run with an error naming it"
+        ),
+    )
     parallel: str = field(default="none", metadata=_help("data parallelism, under torchrun", choices=PARALLEL_MODES))
     threads: int | None = field(default=None, metadata=_help("CPU threads", default="torch's"))
     max_nonfinite_steps: int = field(
@@ -184,6 +193,7 @@ class TrainConfig:
         check.choice("dtype", ("auto", "float32", "bfloat16"))
         check.boolean("compile")
         check.boolean("checkpoint_activations")
+        check.boolean("deterministic")
         check.choice("parallel", PARALLEL_MODES)
         check.integer("threads", 1, 1024, optional=True)
         check.integer("max_nonfinite_steps", 1, 1 << 20)

@@ -78,6 +78,7 @@ from difftransformer.training.step import (
     optimizer_step,
     read,
     rounded_lambdas,
+    use_deterministic_algorithms,
     use_tf32,
 )
 from difftransformer.training.tracking import check_available, open_sinks, parse_sinks
@@ -143,6 +144,8 @@ class Trainer:
         self.sinks: list = []  # where metrics go besides metrics.jsonl (training/tracking.py), on the main process
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
+        if cfg.deterministic:
+            use_deterministic_algorithms()
         try:
             self._setup(resume)
         except BaseException:

@@ -8,6 +8,7 @@ and the numerics of a run (TF32). The training loop (``loop.Trainer``) and the e
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -159,6 +160,13 @@ def use_tf32(device: torch.device, amp: torch.dtype | None) -> bool:
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
     return True
+
+
+def use_deterministic_algorithms() -> None:
+    """Deterministic algorithms only, process-wide (torch's switch; cuBLAS needs a fixed workspace for it, which must
+    be set before its first product)."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
 
 
 def precision(amp: torch.dtype | None, tf32: bool, parallel: str) -> str:

@@ -24,7 +24,7 @@ sys.path.insert(0, root)
 import torch  # noqa: E402
 
 import difftransformer  # noqa: E402
-from difftransformer.apps.bench import _train_step  # noqa: E402
+from difftransformer.apps.bench import _lm_loss  # noqa: E402
 from difftransformer.core.config import ModelConfig  # noqa: E402
 from difftransformer.core.model import TransformerLM  # noqa: E402
 
@@ -39,6 +39,13 @@ if name == "hf":
     model.config._attn_implementation = "sdpa"
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
 x = torch.randint(0, 256, (batch, t))
+
+
+def _train_step(model, optimizer, x) -> None:
+    """The step this record measured (bench train's before it took the trainer's step): a plain AdamW."""
+    _lm_loss(model, x).backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
 
 
 def print_timeline() -> None:
