@@ -7,7 +7,7 @@
 # benchmarks' JSON files to $OUT, to be committed under benchmarks/results/gpu-h200_<date>/. Runs and checkpoints go
 # to a new directory under $WORK_ROOT for each invocation (not brought back), so the script can run again at once.
 #
-# Parts, each with its timeout (1 to 3 sum to 500 s, under the budget); a part that no longer fits in the budget is
+# Parts, each with its timeout (1 to 3 sum to 530 s, under the budget); a part that no longer fits in the budget is
 # skipped with a line saying so, and every part prints the time it took:
 #   1. (60 s) the tests that run on the GPU (pytest -m gpu: the Triton kernels on CUDA tensors);
 #   2. (300 s) benchmarks/gpu_check.py: kernel parity (sdpa, triton; float32 and bfloat16) against float64, the KV
@@ -15,8 +15,8 @@
 #      bfloat16, deterministic) killed with SIGKILL at a random step and resumed, plainly and under torchrun with a
 #      process group of one (NCCL: the collectives run for real), and compiled, each against an uninterrupted run;
 #      peak memory;
-#   3. (140 s) throughput, bfloat16: the attention core and layer (sdpa vs triton vs standard vs HF, T 2K to 8K), and
-#      training steps of the small preset (DIFF / standard / DiffLlama / DIFF with Triton);
+#   3. (170 s) throughput, bfloat16: the attention core and layer (sdpa vs triton vs standard vs HF, T 2K to 8K),
+#      training steps of the small preset (DIFF / standard / DiffLlama / DIFF with Triton), and decode tokens/s;
 #   4. with the time left (at least 60 s) and its corpus carried (data/shakespeare, data/sotu: `difftx data fetch`
 #      here first, then carry both): a slice of the language-model study at GPU scale.
 #
@@ -103,6 +103,8 @@ PY
       --seq 2048 4096 8192 --batch 4 --dim 2048 --heads 16 --repeats 5 --json "$OUT/attention_h200.json"
     part "bench train" 80 "$PY" -m difftransformer bench train --device cuda --dtype bfloat16 --preset small \
       --seq 2048 4096 8192 --batch 4 --repeats 5 --json "$OUT/train-small_h200.json"
+    part "bench decode" 30 "$PY" -m difftransformer bench decode --device cuda --dtype bfloat16 --preset small \
+      --context 512 4096 --tokens 64 --repeats 3 --json "$OUT/decode-small_h200.json"
   fi
 
   echo "== 4. language-model study, GPU scale, a slice: the learning-rate sweep at 12 steps, with the time left"

@@ -150,7 +150,7 @@ def test_bench_decode_counts_every_rows_token_at_batch_8(tmp_path, capsys):
     out = tmp_path / "decode.json"
     args = ["bench", "decode", "--context", "16", "--preset", "tiny", "--tokens", "2", "--repeats", "1"]
     assert main([*args, "--batch", "8", "--json", str(out)]) == 0
-    assert "batch 8," in capsys.readouterr().out
+    assert "batch 8;" in capsys.readouterr().out
     result = json.loads(out.read_text())
     assert result["shapes"]["batch"] == 8 and result["rows"][0]["tokens_per_s"]["diff"] > 0
     assert main([*args, "--batch", "8", "--hf"]) != 0  # transformers generate() is timed at batch 1 only

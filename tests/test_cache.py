@@ -16,6 +16,20 @@ def tiny(attention="diff", **kw):
     return TransformerLM(ModelConfig(**{**cfg, **kw})).eval()
 
 
+def test_the_buffers_are_the_modules_and_move_with_it():
+    """Registered buffers (as gpt-fast's cache): what .to() moves and torch.compile sees at fixed addresses."""
+    model = tiny()
+    cache = KVCache(model, 2, 8)
+    names = [name for name, _ in cache.named_buffers()]
+    assert names == ["keys_0", "values_0", "keys_1", "values_1"]
+    assert [b.data_ptr() for b in cache.buffers()] == [
+        t.data_ptr() for pair in zip(cache.keys, cache.values) for t in pair
+    ]
+    assert cache.state_dict() == {}  # never saved with anything
+    moved = cache.to(torch.float64)
+    assert moved is cache and all(b.dtype == torch.float64 for b in cache.keys + cache.values)
+
+
 def test_buffers_have_each_layouts_shape_and_never_grow():
     diff, std = KVCache(tiny("diff", n_kv_heads=2), 3, 20), KVCache(tiny("standard", n_kv_heads=2), 3, 20)
     assert diff.keys[0].shape == (3, 1, 2, 20, 8) and diff.values[0].shape == (3, 1, 20, 16)  # 2 heads, 1 group
@@ -96,7 +110,8 @@ def test_explicit_slots_equal_the_automatic_ones(attention):
         assert auto.prefix == 6 and auto.mask is None
         torch.testing.assert_close(model(tokens[:, :6], cache=explicit, slots=torch.arange(6)), first)  # the mask
         assert explicit.prefix is None and explicit.mask.shape == (1, 1, 6, 12)
-        explicit.keys, explicit.values = [k.clone() for k in auto.keys], [v.clone() for v in auto.values]
+        for mine, theirs in zip(explicit.buffers(), auto.buffers(), strict=True):
+            mine.copy_(theirs)
         for i in range(6, 9):
             a = model(tokens[:, i : i + 1], cache=auto)
             b = model(tokens[:, i : i + 1], cache=explicit, slots=torch.tensor([i]))

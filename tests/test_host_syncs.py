@@ -44,3 +44,24 @@ def test_steps_between_log_steps_read_nothing_on_the_host(prepared, tmp_path):
         assert len(long.found) == len(short.found) > 0, (short.found, long.found)
     finally:
         t.close()
+
+
+@pytest.mark.parametrize("attention", ["diff", "standard", "diff_v2"])
+def test_decode_steps_on_the_compiled_path_read_nothing_on_the_host(monkeypatch, attention):
+    """bench decode's loop (tokens and slots on the device, each step fed the last one's most likely token) as
+    torch.compile traces it (torch.compiler.is_compiling() true: the branches the compiled graph takes) reads nothing
+    on the host, so a GPU never waits between steps. Eager, each step checks its token ids and positions on the host
+    (by design: the counter sees them)."""
+    import torch
+
+    from difftransformer import ModelConfig, TransformerLM
+    from difftransformer.apps import bench
+
+    model = TransformerLM(ModelConfig.preset("tiny", attention=attention, n_layers=2, max_seq_len=32)).eval()
+    with HostSyncs() as eager:
+        bench._decode_seconds(model, context=8, tokens=4)
+    assert len(eager.found) >= 4, eager.found  # the prefill's and every step's checks
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    with HostSyncs() as traced:
+        bench._decode_seconds(model, context=8, tokens=4)
+    assert traced.found == []

@@ -490,22 +490,27 @@ def _utilisation_lines(result: dict) -> list[str]:
 
 
 def _decode_seconds(model, context: int, tokens: int, batch: int = 1) -> list[float]:
-    """Seconds of each one-token decode step after a prefill of ``context`` random tokens (``batch`` rows). ``model``
-    may be ``torch.compile(TransformerLM)``: every step has the same shapes (the cache's fixed slots), so it
-    compiles once per context, in the warm-up step."""
+    """Seconds per one-token decode step after a prefill of ``context`` random tokens (``batch`` rows), on the model's
+    device. ``model`` may be ``torch.compile(TransformerLM)``: every step has the same shapes (the cache's fixed
+    slots), so it compiles once per context, in the warm-up step. The steps run back to back as a generation loop
+    does, each fed the previous step's most likely token, from slots and tokens that stay on the device: nothing is
+    read on the host between steps, and the time is taken once, after the last (on a GPU a per-step time would make
+    the host wait for every step). One number: the mean step of this run."""
     lm = getattr(model, "_orig_mod", model)
+    device = lm.embed.weight.device
     cache = KVCache(lm, batch, context + tokens + 1)
-    token = torch.randint(0, lm.config.vocab_size, (batch, 1))
+    vocab = lm.config.vocab_size
+    slots = torch.arange(context, context + tokens + 1, device=device)
     with torch.no_grad():
-        lm(torch.randint(0, lm.config.vocab_size, (batch, context)), cache=cache)  # eager prefill: 0..context-1
-        model(token, cache=cache, slots=torch.tensor([context]))  # warm-up step
-        times = []
+        lm(torch.randint(0, vocab, (batch, context), device=device), cache=cache)  # eager prefill: 0..context-1
+        token = torch.randint(0, vocab, (batch, 1), device=device)
+        model(token, cache=cache, slots=slots[:1])  # warm-up step
+        _sync()
+        start = time.perf_counter()
         for i in range(1, tokens + 1):
-            slot = torch.tensor([context + i])
-            start = time.perf_counter()
-            model(token, cache=cache, slots=slot)
-            times.append(time.perf_counter() - start)
-    return times
+            token = model(token, cache=cache, slots=slots[i : i + 1])[:, -1:].argmax(-1)
+        _sync()
+    return [(time.perf_counter() - start) / tokens]
 
 
 class _HFGenerate:
@@ -516,13 +521,15 @@ class _HFGenerate:
 
     def seconds(self, context: int, tokens: int) -> list[float]:
         """Seconds per decode step: (generate of 1 + tokens new tokens - generate of 1) / tokens, batch 1."""
-        ids = torch.randint(0, self.model.config.vocab_size, (1, context))
+        ids = torch.randint(0, self.model.config.vocab_size, (1, context), device=self.model.device)
         timed = {}
         with torch.no_grad():
             self._generate(ids, 2)  # warm-up
             for new in (1, tokens + 1):
+                _sync()
                 start = time.perf_counter()
                 self._generate(ids, new)
+                _sync()
                 timed[new] = time.perf_counter() - start
         return [(timed[tokens + 1] - timed[1]) / tokens]
 
@@ -559,11 +566,13 @@ def bench_decode(
     compile: bool = False,
     hf: bool = False,
     batch: int = 1,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
 ) -> dict:
-    """Decode tokens/s with a KV cache, DIFF vs standard built from the same preset (``batch`` rows a step; tokens/s
-    counts every row's token; ``hf`` times batch 1 only); with ``compile`` also
-    each model's decode step under torch.compile (fullgraph); with ``hf`` also the same weights exported to
-    transformers (DiffLlama, Llama) and timed through ``generate()``."""
+    """Decode tokens/s with a KV cache, DIFF vs standard built from the same preset, on ``device`` with weights and
+    cache in ``dtype`` (``batch`` rows a step; tokens/s counts every row's token; ``hf`` times batch 1 only); with
+    ``compile`` also each model's decode step under torch.compile (fullgraph); with ``hf`` also the same weights
+    exported to transformers (DiffLlama, Llama) and timed through ``generate()``."""
     if hf and batch != 1:
         from difftransformer.errors import InputError
 
@@ -573,14 +582,15 @@ def bench_decode(
         torch.manual_seed(0)
         cfg = ModelConfig.preset(preset, attention=attention, max_seq_len=max(contexts) + tokens + 1)
         models[attention] = TransformerLM(cfg).eval()
-    if compile:
-        for attention in ("diff", "standard"):
-            models[f"{attention}-compiled"] = torch.compile(models[attention], fullgraph=True, dynamic=False)
-    if hf:
+    if hf:  # exported from the float32 weights, then moved as ours are
         from difftransformer.interop.hf import to_hf
 
         for attention in ("diff", "standard"):
-            models[f"hf-{attention}"] = _HFGenerate(to_hf(models[attention]))
+            models[f"hf-{attention}"] = _HFGenerate(to_hf(models[attention]).to(device, dtype))
+    for attention in ("diff", "standard"):
+        models[attention].to(device, dtype)
+        if compile:
+            models[f"{attention}-compiled"] = torch.compile(models[attention], fullgraph=True, dynamic=False)
     with _Calls.tracking("decode", len(contexts) * repeats * len(models)):
         rows = _decode_rows(models, contexts, tokens, repeats, batch)
     cfg = models["diff"].config
@@ -598,6 +608,8 @@ def bench_decode(
         ),
         repeats,
         rows,
+        device,
+        dtype,
     )
 
 
@@ -606,8 +618,9 @@ def format_decode(result: dict) -> str:
     lines = [
         _title(result),
         f"preset {s['preset']} (d_model {s['d_model']}, {s['n_layers']} layers, DIFF {s['diff_heads']} heads vs "
-        f"standard {s['standard_heads']} of size {s['head_dim']}), batch {s['batch']}, median over "
-        f"{result['repeats']} x {s['new_tokens']} one-token steps after a prefill",
+        f"standard {s['standard_heads']} of size {s['head_dim']}), batch {s['batch']}; per repeat the mean of "
+        f"{s['new_tokens']} one-token steps run back to back after a prefill (no host read between them), median over "
+        f"{result['repeats']} repeats",
         "",
         "| context | standard tokens/s | DIFF tokens/s | DIFF / standard |",
         "|---|---|---|---|",

@@ -7,6 +7,10 @@ the baseline. Every forward pass writes its tokens' keys and values at its ``slo
 slots, with a mask that lets the query in slot i see the slots up to i (and, with a padding mask, only real tokens);
 a first pass without padding attends its own slots causally instead, with no mask (``prepare``).
 All shapes are fixed from prefill to the last decode step, so ``torch.compile`` compiles one decode step for all.
+
+The buffers are the cache module's registered buffers (``keys_<layer>``, ``values_<layer>``), as gpt-fast keeps its
+cache: ``cache.to(device)`` moves them, and ``torch.compile`` sees tensors whose addresses never change, which CUDA
+graphs (mode ``reduce-overhead``) need of what a step writes into.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from difftransformer.core.attention.common import expand_mask
 from difftransformer.errors import InputError
 
 
-class KVCache:
+class KVCache(torch.nn.Module):
     """Keys and values of every layer of ``model`` for ``batch`` rows and ``max_len`` slots, in fixed buffers (so
     that every decode step has the same shapes).
 
@@ -44,22 +48,31 @@ class KVCache:
     """
 
     def __init__(self, model: torch.nn.Module, batch: int, max_len: int | None = None) -> None:
+        super().__init__()
         max_len = model.config.max_seq_len if max_len is None else max_len
         if not 1 <= max_len <= model.config.max_seq_len:
             raise InputError(
                 f"a cache holds 1 to the model's max_seq_len={model.config.max_seq_len} slots, got {max_len}"
             )
         like = model.embed.weight
-        self.max_len, self.length = max_len, 0
-        self.keys: list[torch.Tensor] = []
-        self.values: list[torch.Tensor] = []
-        for block in model.layers:
+        self.max_len, self.length, self.n_layers = max_len, 0, len(model.layers)
+        for i, block in enumerate(model.layers):
             key_shape, value_shape = block.attn.cache_shapes(batch, max_len)
-            self.keys.append(torch.zeros(key_shape, dtype=like.dtype, device=like.device))
-            self.values.append(torch.zeros(value_shape, dtype=like.dtype, device=like.device))
+            self.register_buffer(f"keys_{i}", torch.zeros(key_shape, dtype=like.dtype, device=like.device), False)
+            self.register_buffer(f"values_{i}", torch.zeros(value_shape, dtype=like.dtype, device=like.device), False)
         self.slots: torch.Tensor | None = None
         self.mask: torch.Tensor | None = None
         self.prefix: int | None = None
+
+    @property
+    def keys(self) -> list[torch.Tensor]:
+        """Every layer's key buffer."""
+        return [getattr(self, f"keys_{i}") for i in range(self.n_layers)]
+
+    @property
+    def values(self) -> list[torch.Tensor]:
+        """Every layer's value buffer."""
+        return [getattr(self, f"values_{i}") for i in range(self.n_layers)]
 
     def prepare(self, slots: torch.Tensor, padding: torch.Tensor | None = None, start: int | None = None) -> None:
         """Set the slots (T,) that the next forward pass writes, and its attention mask (B|1, 1, T, max_len): slot j
@@ -79,12 +92,12 @@ class KVCache:
                 raise InputError(
                     f"with a cache the attention mask covers its {self.max_len} slots, got {tuple(padding.shape)}"
                 )
-            mask = mask & expand_mask(padding, self.keys[0].shape[0], len(slots), self.max_len)
+            mask = mask & expand_mask(padding, self.keys_0.shape[0], len(slots), self.max_len)
         self.slots, self.mask = slots, mask
 
     def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write this pass's keys and values (sequence on dim -2) at the prepared slots; return all ``max_len``."""
-        keys, values = self.keys[layer_idx], self.values[layer_idx]
+        keys, values = getattr(self, f"keys_{layer_idx}"), getattr(self, f"values_{layer_idx}")
         keys.index_copy_(keys.dim() - 2, self.slots, k.to(keys.dtype))
         values.index_copy_(values.dim() - 2, self.slots, v.to(values.dtype))
         return keys, values

@@ -13,11 +13,13 @@ def _bench(args: argparse.Namespace) -> int:
     import torch
 
     from difftransformer.apps import bench
-    from difftransformer.devices import device_problem
+    from difftransformer.devices import device_problem, resolve_device
     from difftransformer.errors import ConfigError
 
     if (problem := device_problem(getattr(args, "device", "cpu"))) is not None:
         raise ConfigError("bench", "device", problem)
+    if getattr(args, "device", "cpu") != "cpu" and (device := resolve_device(args.device)).type == "cuda":
+        torch.cuda.set_device(device)  # every tensor and synchronisation of the benchmark on that GPU
 
     threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
@@ -66,8 +68,9 @@ def _bench(args: argparse.Namespace) -> int:
             print(bench.format_quantized(result))
         else:
             result = bench.bench_decode(
-                args.context, args.preset, args.tokens, args.repeats, args.compile, args.hf, args.batch
-            )
+                args.context, args.preset, args.tokens, args.repeats, args.compile, args.hf, args.batch,
+                args.device, getattr(torch, args.dtype),
+            )  # fmt: skip
             print(bench.format_decode(result))
     finally:
         torch.set_num_threads(threads)
@@ -126,6 +129,7 @@ def bench_command(sub) -> None:
     decode.add_argument("--batch", type=at_least(1), default=1, help="prompts decoded together")
     decode.add_argument("--compile", action="store_true", help="also each model's step under torch.compile")
     decode.add_argument("--hf", action="store_true", help="also transformers' generate() on the same weights")
+    _device_flags(decode)
     _common(decode)
 
     quantized = command(
@@ -182,5 +186,5 @@ def _common(mode, threads: int = 1, store: bool = False) -> None:
 
 
 def _device_flags(mode) -> None:
-    mode.add_argument("--device", default="cpu", help="cpu or cuda")
+    mode.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     mode.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="the dtype")

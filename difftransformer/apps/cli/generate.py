@@ -26,12 +26,14 @@ def generate_command(sub) -> None:
     gen.add_argument("--seed", type=int, default=0, help="seed of the sampling")
     gen.add_argument("--stop", nargs="+", help="stop strings")
     gen.add_argument("--truncate", action="store_true", help="keep the end of a prompt longer than the context")
+    gen.add_argument("--device", default="auto", help="auto (the GPU when there is one), cpu, cuda or cuda:N")
     gen.add_argument("--threads", type=at_least(1), help="CPU threads (default: torch's)")
 
 
 def _generate(args: argparse.Namespace) -> int:
     import torch
 
+    from difftransformer.devices import resolve_device
     from difftransformer.inference.generate import SamplingConfig, generate
     from difftransformer.store.runs import load_run
 
@@ -39,7 +41,10 @@ def _generate(args: argparse.Namespace) -> int:
     check_utf8(args.prompt, "--prompt")
     for stop in args.stop or ():
         check_utf8(stop, "--stop")
-    model, tokenizer = load_run(args.run)
+    device = resolve_device(args.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    model, tokenizer = load_run(args.run, device=device)
     prompt = tokenizer.encode_prompt(args.prompt)
     shown = ""
     ids: list[int] = []
