@@ -232,3 +232,34 @@ def test_every_collective_tensor_is_on_the_worlds_device(prepared, tmp_path, par
     counts = [line for line in proc.stderr.splitlines() if "checked collectives:" in line]
     assert len(counts) == 2 and all("'all_reduce'" in line for line in counts), counts
     assert len(metric_rows(tmp_path / "run")) == 6 // 2 + 1  # steps 2, 3 (validation), 4, 6
+
+
+@pytest.mark.slow
+def test_fsdp_mixed_precision_matches_one_process_within_bfloat16s_own_error(prepared, tmp_path):
+    """FSDP2 with --dtype bfloat16 on 2 gloo processes (MixedPrecisionPolicy: bfloat16 parameters in forward and
+    backward, float32 gradient reduction and sharded float32 weights; CPU autocast) against one process with bfloat16
+    autocast. The tolerance is bfloat16's own error, measured: one process in bfloat16 against one in float32 (eps,
+    the largest gap over the steps' losses, and over the final weights). Each of the two bfloat16 runs carries about
+    that error and FSDP2 also rounds the parameters themselves to bfloat16 (norm weights and lambda vectors too), so
+    the two may differ by up to 3 eps; a defect (a lost reduction, a wrong shard) moves the losses by far more."""
+    args = train_args(prepared, max_steps=12, eval_interval=12, ckpt_interval=12)
+    runs = {}
+    for name, dtype, processes in (("bf16", "bfloat16", 1), ("fp32", "float32", 1), ("fsdp", "bfloat16", 2)):
+        cmd, env = cli("train", *args, "--dtype", dtype, "--out", str(tmp_path / name), env_extra={"OMP_NUM_THREADS": "1"})
+        if processes > 1:
+            cmd = [*TORCHRUN, "-m", "difftransformer", *cmd[3:], "--parallel", "fsdp"]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[name] = ([loss for _, loss in losses(tmp_path / name)], _final_state(tmp_path / name)[0])
+    assert "FSDP2 mixed precision: bfloat16 parameters" in proc.stdout
+
+    def gaps(a, b):
+        loss = max(abs(x - y) for x, y in zip(runs[a][0], runs[b][0], strict=True))
+        weights = max(float((runs[a][1][n] - runs[b][1][n]).abs().max()) for n in runs[b][1])
+        return loss, weights
+
+    eps_loss, eps_weights = gaps("bf16", "fp32")
+    loss, weights = gaps("fsdp", "bf16")
+    assert 0 < eps_loss < 0.02 and 0 < eps_weights  # bfloat16 does round: the tolerance is not zero
+    assert loss <= 3 * eps_loss, (loss, eps_loss)
+    assert weights <= 3 * eps_weights, (weights, eps_weights)

@@ -23,6 +23,7 @@ import math
 import os
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -30,6 +31,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from difftransformer.errors import InputError
+from difftransformer.store.shards import CHUNKS_KEY, PieceReader, piece_file_name, piece_files, piece_metadata
 
 CKPT_DIR = "checkpoints"
 PREFIX = "step_"
@@ -82,36 +84,69 @@ def save_checkpoint(
 ) -> Path:
     """Write checkpoint ``step`` atomically and prune older ones (``keep_best``: not the one whose state.json
     records the lowest ``val_loss``); returns its directory."""
-    root = Path(run_dir) / CKPT_DIR
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / f"{PREFIX}{step:08d}"
-    tmp = root / f"{TMP}{final.name}-{os.getpid()}"
+    tmp = new_checkpoint_dir(run_dir, step, f"-{os.getpid()}")
     try:
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir()
         optim_tensors, optim_meta = flatten_optimizer(optim_state)
         files = {
             MODEL_FILE: _save_tensors(_unshared(model_state), tmp / MODEL_FILE),
             OPTIMIZER_FILE: _save_tensors(optim_tensors, tmp / OPTIMIZER_FILE),
         }
-        state = {**meta, "step": step, "optimizer": optim_meta, "files": files}
+    except BaseException as err:
+        _raise_write_failed(run_dir, step, tmp, err)
+    return publish_checkpoint(run_dir, step, tmp, files, {**meta, "optimizer": optim_meta}, keep_last, keep_best)
+
+
+SHARDED_TAG = "-sharded"  # the temporary directory of a sharded write: one name for every process
+
+
+def checkpoint_tmp_dir(run_dir: str | Path, step: int, tag: str) -> Path:
+    """Where checkpoint ``step`` is written before it is published (``tag`` ends the name)."""
+    return Path(run_dir) / CKPT_DIR / f"{TMP}{PREFIX}{step:08d}{tag}"
+
+
+def new_checkpoint_dir(run_dir: str | Path, step: int, tag: str) -> Path:
+    """The empty temporary directory checkpoint ``step`` is written into (``checkpoint_tmp_dir``)."""
+    (Path(run_dir) / CKPT_DIR).mkdir(parents=True, exist_ok=True)
+    tmp = checkpoint_tmp_dir(run_dir, step, tag)
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    return tmp
+
+
+def write_pieces(tmp: Path, kind: str, rank: int, world: int, pieces: dict) -> tuple[str, str]:
+    """Write process ``rank``'s pieces of ``kind`` (model or optimizer) into the temporary directory ``tmp`` of a
+    sharded checkpoint: {name: (local tensor, global shape, offset)}, in one file with the pieces' records
+    (store/shards.py) and its digest, fsync'ed; returns (file name, digest)."""
+    name = piece_file_name(kind, rank, world)
+    tensors = _unshared({key: tensor for key, (tensor, _, _) in pieces.items()})
+    records = {key: (tuple(shape), tuple(offset)) for key, (_, shape, offset) in pieces.items()}
+    digest = _save_tensors(tensors, tmp / name, {CHUNKS_KEY: piece_metadata(records)})
+    _fsync_file(tmp / name)
+    return name, digest
+
+
+def publish_checkpoint(
+    run_dir: str | Path,
+    step: int,
+    tmp: Path,
+    files: dict[str, str],
+    meta: dict,
+    keep_last: int = 3,
+    keep_best: bool = False,
+) -> Path:
+    """Finish the checkpoint written into ``tmp`` (``files``: name -> digest of its tensor files): write state.json,
+    fsync, rename it into place (swapping an earlier copy of the same step, never leaving a gap), and prune."""
+    root = Path(run_dir) / CKPT_DIR
+    final = root / f"{PREFIX}{step:08d}"
+    try:
+        state = {**meta, "step": step, "files": files}
         (tmp / STATE_FILE).write_text(json.dumps({**state, "sha256": _json_digest(state)}, indent=1) + "\n")
         for path in tmp.iterdir():
             _fsync_file(path)
         _fsync_dir(tmp)
     except BaseException as err:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(err, OSError) and err.errno is not None:
-            earlier = list_checkpoints(run_dir)
-            state = (
-                f"the newest checkpoint, {earlier[-1].name}, is intact. Free some space (or fix the problem) and resume"
-                if earlier
-                else "it was the first checkpoint, so there is no earlier one"
-            )
-            problem = f"could not write checkpoint {final.name} in {root} ({err.strerror})"
-            raise OSError(err.errno, f"{problem}; nothing was replaced: {state}") from err
-        raise
+        _raise_write_failed(run_dir, step, tmp, err)
     if final.exists():  # the same step written again after a resume: swap, never leave a gap
         old = root / f"{OLD}{final.name}-{os.getpid()}"
         final.rename(old)
@@ -123,6 +158,29 @@ def save_checkpoint(
     for stale in _stale(list_checkpoints(run_dir), keep_last, keep_best):
         shutil.rmtree(stale)
     return final
+
+
+def _raise_write_failed(run_dir: str | Path, step: int, tmp: Path, err: BaseException):
+    failure = write_failed(run_dir, step, tmp, err)
+    if failure is err:
+        raise err
+    raise failure from err
+
+
+def write_failed(run_dir: str | Path, step: int, tmp: Path, err: BaseException) -> BaseException:
+    """What a failed write of checkpoint ``step`` raises, after removing its temporary directory: for an I/O error (a
+    full disk) an OSError that says nothing was replaced and which checkpoint is intact; any other error as it is."""
+    shutil.rmtree(tmp, ignore_errors=True)
+    if not (isinstance(err, OSError) and err.errno is not None):
+        return err
+    earlier = list_checkpoints(run_dir)
+    state = (
+        f"the newest checkpoint, {earlier[-1].name}, is intact. Free some space (or fix the problem) and resume"
+        if earlier
+        else "it was the first checkpoint, so there is no earlier one"
+    )
+    problem = f"could not write checkpoint {PREFIX}{step:08d} in {tmp.parent} ({err.strerror})"
+    return OSError(err.errno, f"{problem}; nothing was replaced: {state}")
 
 
 def _stale(checkpoints: list[Path], keep_last: int, keep_best: bool = False) -> list[Path]:
@@ -200,9 +258,9 @@ def clean_stale(run_dir: str | Path) -> list[str]:
     return done
 
 
-def _save_tensors(tensors: dict[str, torch.Tensor], path: Path) -> str:
-    """Write ``tensors`` with their digest in the file's metadata; returns the digest."""
-    metadata = {"format": "pt", "sha256": tensors_digest(tensors)}
+def _save_tensors(tensors: dict[str, torch.Tensor], path: Path, extra: dict[str, str] | None = None) -> str:
+    """Write ``tensors`` with their digest (and ``extra``) in the file's metadata; returns the digest."""
+    metadata = {"format": "pt", "sha256": tensors_digest(tensors), **(extra or {})}
     try:
         save_file(tensors, path, metadata=metadata)
     except SafetensorError as err:  # an I/O failure inside safetensors: make it the OSError it is
@@ -273,11 +331,57 @@ def _earlier(checkpoint: Path) -> str:
     )
 
 
+def is_sharded(path: str | Path) -> bool:
+    """Whether a checkpoint directory stores its tensors in pieces, one file per process (a sharded FSDP run)."""
+    return bool(piece_files(Path(path), "model"))
+
+
+def _verify(meta: dict) -> Callable[[Path], None]:
+    """A check that a piece file matches its own digest and the one state.json recorded for it."""
+    recorded = meta.get("files", {})
+
+    def check(file: Path) -> None:
+        if file.name not in recorded:
+            raise InputError(f"{file} is not one of the files {file.parent / STATE_FILE} was written with; "
+                             f"{_earlier(file.parent)}")  # fmt: skip
+        _load_tensors(file, recorded[file.name])
+
+    return check
+
+
+def pieces(path: str | Path, kind: str, meta: dict) -> PieceReader:
+    """The tensors of ``kind`` (model or optimizer) of one checkpoint directory as pieces, read on demand, each file
+    checked against its digests before its first read: a sharded checkpoint's process files, or the single file of
+    one process's checkpoint (one whole piece per tensor)."""
+    path = Path(path)
+    files = piece_files(path, kind)
+    if not files:
+        single = path / (MODEL_FILE if kind == "model" else OPTIMIZER_FILE)
+        if not single.is_file():
+            raise FileNotFoundError(f"checkpoint {path} is incomplete: {single.name} is missing")
+        files = [single]
+    try:
+        return PieceReader(files, _verify(meta))
+    except InputError as err:
+        raise InputError(f"{err}; {_earlier(path)}") from None
+    except Exception as err:  # safetensors parses untrusted bytes: any failure means a damaged file
+        raise InputError(f"a {kind} file of {path} is corrupt or truncated ({err}); {_earlier(path)}") from None
+
+
+def _whole(path: Path, kind: str, meta: dict) -> dict[str, torch.Tensor]:
+    """Every tensor of ``kind`` whole: a sharded checkpoint's pieces assembled, or the single file as it is."""
+    if not piece_files(path, kind):
+        name = MODEL_FILE if kind == "model" else OPTIMIZER_FILE
+        return _load_tensors(path / name, meta.get("files", {}).get(name))
+    return pieces(path, kind, meta).read_all()
+
+
 def load_model(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
-    """(model weights, meta) of one checkpoint directory; the meta is empty for a checkpoint without state.json."""
+    """(model weights, meta) of one checkpoint directory (a sharded one's pieces assembled); the meta is empty for a
+    checkpoint without state.json."""
     path = Path(path)
     meta = read_state(path) if (path / STATE_FILE).is_file() else {}
-    return _load_tensors(path / MODEL_FILE, meta.get("files", {}).get(MODEL_FILE)), meta
+    return _whole(path, "model", meta), meta
 
 
 def load_model_tensors(path: str | Path) -> dict[str, torch.Tensor]:
@@ -286,15 +390,17 @@ def load_model_tensors(path: str | Path) -> dict[str, torch.Tensor]:
 
 
 def load_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict, dict]:
-    """(model tensors, optimizer state dict, meta) of one checkpoint directory, with clear errors."""
+    """(model tensors, optimizer state dict, meta) of one checkpoint directory (a sharded one's pieces assembled),
+    with clear errors."""
     path = Path(path)
     if not (path / STATE_FILE).is_file():
         raise FileNotFoundError(f"checkpoint {path} is incomplete: {STATE_FILE} is missing")
     model, meta = load_model(path)
     try:
-        optim_file = _load_tensors(path / OPTIMIZER_FILE, meta.get("files", {}).get(OPTIMIZER_FILE))
-        optim = unflatten_optimizer(optim_file, meta.pop("optimizer"))
+        optim = unflatten_optimizer(_whole(path, "optimizer", meta), meta.pop("optimizer"))
     except (KeyError, TypeError, AttributeError, ValueError) as err:
+        if isinstance(err, InputError):
+            raise
         raise InputError(f"{path / STATE_FILE} holds no valid optimizer state ({err!r}); {_earlier(path)}") from None
     return model, optim, meta
 

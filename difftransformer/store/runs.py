@@ -25,6 +25,7 @@ from difftransformer.store.checkpoint import (
     CKPT_DIR,
     MODEL_FILE,
     PREFIX,
+    is_sharded,
     list_checkpoints,
     load_model,
     save_checkpoint,
@@ -80,7 +81,7 @@ def start_checkpoint(init_from: str | Path) -> tuple[Path, Path]:
     checkpoints (``RUN/checkpoints/step_N``)."""
     path = Path(init_from)
     if names_checkpoint(path):
-        if not (path / MODEL_FILE).is_file():
+        if not (path / MODEL_FILE).is_file() and not is_sharded(path):
             raise FileNotFoundError(f"checkpoint {path} (init_from) does not exist or has no {MODEL_FILE}")
         return path.parent.parent, path
     if not path.is_dir():
@@ -223,7 +224,7 @@ def load_run(run_dir: str | Path, device: str | torch.device = "cpu") -> tuple[T
         model = TransformerLM(config)
         if quantization is not None:  # integer weights (difftx quantize), dequantized on first use
             quantized_shell(model, quantization["scheme"])
-    check_weights(model, tensors, str(checkpoint / MODEL_FILE), str(run / MODEL_CONFIG))
+    check_weights(model, tensors, str(weights_of(checkpoint)), str(run / MODEL_CONFIG))
     with own_layout():
         model.load_state_dict(tensors, strict=True, assign=True)
     if config.tie_embeddings:
@@ -231,12 +232,17 @@ def load_run(run_dir: str | Path, device: str | torch.device = "cpu") -> tuple[T
     return model.to(device).eval(), tokenizer
 
 
+def weights_of(checkpoint: Path) -> Path:
+    """Where a checkpoint's weights lie, to name in a message: its model.safetensors, or itself when sharded."""
+    return checkpoint if is_sharded(checkpoint) else checkpoint / MODEL_FILE
+
+
 def _refuse_nonfinite(tensors: dict[str, torch.Tensor], checkpoint: Path, checkpoints: list[Path]) -> None:
     for name, tensor in tensors.items():
         if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
             earlier = [p for p in checkpoints if p.name < checkpoint.name]
             raise InputError(
-                f"{checkpoint / MODEL_FILE} holds weights that are not finite ({name} has NaN or infinity): "
+                f"{weights_of(checkpoint)} holds weights that are not finite ({name} has NaN or infinity): "
                 "the run had diverged when it was written. "
                 + (f"Use an earlier checkpoint: `run` {earlier[-1]}" if earlier else "It has no earlier checkpoint")
             )

@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.tensor import DTensor
 
 from difftransformer.devices import resolve_device
 from difftransformer.errors import InputError
@@ -154,6 +155,88 @@ def full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict
     return get_model_state_dict(inner, options=_FULL), get_optimizer_state_dict(inner, optimizer, options=_FULL)
 
 
+_SHARDED = StateDictOptions(full_state_dict=False)
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """Whether the model's parameters are sharded over the processes (FSDP2: DTensors)."""
+    return any(isinstance(p, DTensor) for p in unwrap(model).parameters())
+
+
+def _piece(tensor: torch.Tensor, rank: int) -> tuple[torch.Tensor, tuple, tuple] | None:
+    """(local tensor on the CPU, global shape, offset) of what this process holds of ``tensor``: its shard of a
+    DTensor, or for a tensor every process holds alike (the optimizer's step count) the whole tensor on process 0
+    only (None elsewhere)."""
+    if isinstance(tensor, DTensor):
+        (chunk,) = _chunks(tensor)
+        local = tensor.to_local().detach().contiguous().cpu()
+        return local, tuple(tensor.shape), tuple(chunk.offsets)
+    if rank != 0:
+        return None
+    return tensor.detach().contiguous().cpu(), tuple(tensor.shape), (0,) * tensor.dim()
+
+
+def _chunks(tensor: DTensor) -> list:
+    """Where this process's shard lies in the DTensor (offsets and sizes: torch.distributed.checkpoint's own
+    description), computed on the host whatever the default device (DTensor builds index tensors without one)."""
+    with torch.device("cpu"):
+        return tensor.__create_chunk_list__()
+
+
+def sharded_pieces(model: nn.Module, optimizer: torch.optim.Optimizer, rank: int) -> tuple[dict, dict, dict]:
+    """What this process writes of a sharded checkpoint: its pieces of the model's and the optimizer's tensors
+    ({name: (local tensor, global shape, offset)}, the optimizer's keyed ``<param name>/<state name>``) and the
+    optimizer's other state ({param_groups, scalars}, the same on every process), from
+    torch.distributed.checkpoint's sharded state dicts: nothing is gathered."""
+    inner = unwrap(model)
+    model_sd = get_model_state_dict(inner, options=_SHARDED)
+    optim_sd = get_optimizer_state_dict(inner, optimizer, options=_SHARDED)
+    model_pieces = {name: p for name, t in model_sd.items() if (p := _piece(t, rank)) is not None}
+    optim_pieces, scalars = {}, {}
+    for name, state in optim_sd["state"].items():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor):
+                if (p := _piece(value, rank)) is not None:
+                    optim_pieces[f"{name}/{key}"] = p
+            else:
+                scalars[f"{name}/{key}"] = value
+    return model_pieces, optim_pieces, {"param_groups": optim_sd["param_groups"], "scalars": scalars}
+
+
+def load_pieces(model: nn.Module, optimizer: torch.optim.Optimizer, model_reader, optim_reader, optim_meta: dict):
+    """Load a checkpoint stored in pieces (or whole: store/shards.PieceReader reads either) into a sharded model and
+    its optimizer: each process reads only the part of every tensor that it holds, whatever the number of processes
+    that wrote it."""
+    inner = unwrap(model)
+    model_sd = get_model_state_dict(inner, options=_SHARDED)
+    optim_sd = get_optimizer_state_dict(inner, optimizer, options=_SHARDED)  # the state made where there is none
+    model_sd = {name: _filled(t, model_reader, name) for name, t in model_sd.items()}
+    state = {}
+    for name, entries in optim_sd["state"].items():
+        state[name] = {key: _filled(value, optim_reader, f"{name}/{key}") for key, value in entries.items()}
+    for flat, value in optim_meta["scalars"].items():
+        name, key = flat.rsplit("/", 1)
+        state.setdefault(name, {})[key] = value
+    options = StateDictOptions(full_state_dict=False, strict=True)
+    set_model_state_dict(inner, model_sd, options=options)
+    saved = {"state": state, "param_groups": optim_meta["param_groups"]}
+    set_optimizer_state_dict(inner, optimizer, _for_this_optimizer(optimizer, saved), options=options)
+
+
+def _filled(like: torch.Tensor, reader, name: str) -> torch.Tensor:
+    """``like`` (a DTensor shard, or a whole tensor) with its values read from ``reader``."""
+    if not isinstance(like, torch.Tensor):
+        return like
+    if name not in reader.pieces or reader.shape(name) != tuple(like.shape):
+        found = reader.shape(name) if name in reader.pieces else "nothing"
+        raise InputError(f"the checkpoint holds {found} for {name}, the model needs {tuple(like.shape)}")
+    if isinstance(like, DTensor):
+        (chunk,) = _chunks(like)
+        local = reader.read(name, tuple(chunk.offsets), tuple(chunk.sizes)).to(like.device, like.dtype)
+        return DTensor.from_local(local, like.device_mesh, like.placements, shape=like.shape, stride=like.stride())
+    return reader.read(name).to(like.device, like.dtype)
+
+
 IMPLEMENTATION = ("fused", "foreach", "capturable", "differentiable")  # how an optimizer steps, not what it does
 
 
@@ -200,6 +283,15 @@ def all_reduce_max(value: torch.Tensor) -> torch.Tensor:
         value = value.clone()
         dist.all_reduce(value, op=dist.ReduceOp.MAX)
     return value
+
+
+def all_gather_objects(value: object) -> list:
+    """Every process's ``value`` (picklable, made by this program), in rank order; ``[value]`` on one process."""
+    if not dist.is_initialized():
+        return [value]
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, value)
+    return gathered
 
 
 def barrier() -> None:

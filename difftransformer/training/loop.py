@@ -32,13 +32,21 @@ from difftransformer.errors import ConfigError, InputError, Interrupted, Trainin
 from difftransformer.fsutil import check_new_dir, write_text_atomic
 from difftransformer.progress import Progress
 from difftransformer.store.checkpoint import (
+    SHARDED_TAG,
+    checkpoint_tmp_dir,
     clean_stale,
     list_checkpoints,
     load_checkpoint,
     load_model,
     lowest_val_loss,
+    new_checkpoint_dir,
     newest_calm,
+    pieces,
+    publish_checkpoint,
+    read_state,
     save_checkpoint,
+    write_failed,
+    write_pieces,
 )
 from difftransformer.store.data import TokenData, WindowSampler, data_identity, eval_windows, verify_data
 from difftransformer.store.runs import (
@@ -58,12 +66,16 @@ from difftransformer.store.tokenizer import load_tokenizer
 from difftransformer.training.config import RESUMABLE, TrainConfig, resume_config
 from difftransformer.training.distributed import (
     World,
+    all_gather_objects,
     all_reduce_max,
     barrier,
     full_state,
     init_world,
+    is_sharded,
     load_full_state,
+    load_pieces,
     parallelize,
+    sharded_pieces,
     unwrap,
 )
 from difftransformer.training.evaluate import loss_and_bits_per_byte
@@ -352,12 +364,20 @@ class Trainer:
 
     def _load_newest(self) -> None:
         newest = self.checkpoints[-1]
-        model_sd, optim_sd, meta = load_checkpoint(newest)
+        if is_sharded(self.model):  # FSDP: each process reads its part of every tensor, from pieces or whole files
+            meta = read_state(newest)
+            model_pieces, optim_pieces = pieces(newest, "model", meta), pieces(newest, "optimizer", meta)
+            model_sd = {n: torch.empty(model_pieces.shape(n), device="meta") for n in model_pieces.names()}  # shapes
+        else:  # one process or DDP: whole tensors (a sharded checkpoint's pieces assembled)
+            model_sd, optim_sd, meta = load_checkpoint(newest)
         check_recorded(newest, meta, self.model_config, self.tokenizer)
         self._check_recipe(newest, meta.get("train_config"))
         check_weights(unwrap(self.model), model_sd, str(newest), str(self.run_dir / MODEL_CONFIG))
         with own_layout():
-            load_full_state(self.model, self.optimizer, model_sd, optim_sd)
+            if is_sharded(self.model):
+                load_pieces(self.model, self.optimizer, model_pieces, optim_pieces, meta.pop("optimizer"))
+            else:
+                load_full_state(self.model, self.optimizer, model_sd, optim_sd)
         flags, loss = self._health()
         if min(flags) < 1:
             earlier = self.checkpoints[-2].name if len(self.checkpoints) > 1 else None
@@ -446,27 +466,69 @@ class Trainer:
                 "checkpoint from before the spike too"
             )
         self.probe_best = min(self.probe_best, probe)
-        model_sd, optim_sd = full_state(self.model, self.optimizer)
-        path = None
-        if self.world.is_main:
-            meta = {
-                "data_position": self.step_idx,  # the next global batch index
-                "rng_torch": torch.get_rng_state().tolist(),
-                "nonfinite_in_a_row": self.nonfinite_in_a_row,
-                "health": {"probe_loss": probe, "calm": calm},
-                "probe_best": self.probe_best,
-                "loss_watch": self.watch.state(),
-                "model_config": self.model_config.to_dict(),
-                "train_config": self._recipe(),
-                "tokenizer": self.tokenizer.fingerprint(),
-                "data": self.data_record,
-            }
-            if val_loss is not None:
-                meta["val_loss"] = val_loss
-            path = save_checkpoint(
-                self.run_dir, self.step_idx, model_sd, optim_sd, meta, self.cfg.keep_last, self.cfg.keep_best
-            )
+        meta = self._checkpoint_meta(probe, calm, val_loss) if self.world.is_main else {}
+        if is_sharded(self.model):
+            path = self._save_pieces(meta)
+        else:
+            path = self._save_whole(meta)
         self.saved_step = self.step_idx
+        return path
+
+    def _checkpoint_meta(self, probe: float, calm: bool, val_loss: float | None) -> dict:
+        """What a checkpoint's state.json records besides its files and the optimizer's settings."""
+        meta = {
+            "data_position": self.step_idx,  # the next global batch index
+            "rng_torch": torch.get_rng_state().tolist(),
+            "nonfinite_in_a_row": self.nonfinite_in_a_row,
+            "health": {"probe_loss": probe, "calm": calm},
+            "probe_best": self.probe_best,
+            "loss_watch": self.watch.state(),
+            "model_config": self.model_config.to_dict(),
+            "train_config": self._recipe(),
+            "tokenizer": self.tokenizer.fingerprint(),
+            "data": self.data_record,
+        }
+        if val_loss is not None:
+            meta["val_loss"] = val_loss
+        return meta
+
+    def _save_whole(self, meta: dict) -> Path | None:
+        """A checkpoint of whole tensors (one process, DDP): gathered, written by the main process."""
+        model_sd, optim_sd = full_state(self.model, self.optimizer)
+        if not self.world.is_main:
+            return None
+        return save_checkpoint(
+            self.run_dir, self.step_idx, model_sd, optim_sd, meta, self.cfg.keep_last, self.cfg.keep_best
+        )
+
+    def _save_pieces(self, meta: dict) -> Path | None:
+        """A sharded checkpoint (FSDP): every process writes its pieces of every tensor into the same temporary
+        directory, nothing gathered; the main process then publishes it (state.json with every file's digest, the
+        rename). A process that fails to write makes every process fail, with its error, and nothing is replaced."""
+        world, step = self.world, self.step_idx
+        if world.is_main:
+            new_checkpoint_dir(self.run_dir, step, SHARDED_TAG)
+        barrier()  # the directory exists before anyone writes into it
+        tmp = checkpoint_tmp_dir(self.run_dir, step, SHARDED_TAG)
+        files, failure = {}, None
+        try:
+            model_pieces, optim_pieces, optim_meta = sharded_pieces(self.model, self.optimizer, world.rank)
+            for kind, pieces in (("model", model_pieces), ("optimizer", optim_pieces)):
+                name, digest = write_pieces(tmp, kind, world.rank, world.size, pieces)
+                files[name] = digest
+        except OSError as err:
+            failure = err
+        gathered = all_gather_objects((files, None if failure is None else (failure.errno, str(failure))))
+        failed = [(rank, err) for rank, (_, err) in enumerate(gathered) if err is not None]
+        if failed:
+            rank, (number, text) = failed[0]
+            raise write_failed(self.run_dir, step, tmp, OSError(number, f"process {rank}: {text}"))
+        path = None
+        if world.is_main:
+            every = {name: digest for done, _ in gathered for name, digest in done.items()}
+            meta = {**meta, "optimizer": optim_meta, "sharded": {"processes": world.size}}
+            path = publish_checkpoint(self.run_dir, step, tmp, every, meta, self.cfg.keep_last, self.cfg.keep_best)
+        barrier()
         return path
 
     def log(self, row: dict) -> None:
