@@ -23,7 +23,7 @@ def test_the_buffers_are_the_modules_and_move_with_it():
     names = [name for name, _ in cache.named_buffers()]
     assert names == ["keys_0", "values_0", "keys_1", "values_1"]
     assert [b.data_ptr() for b in cache.buffers()] == [
-        t.data_ptr() for pair in zip(cache.keys, cache.values) for t in pair
+        t.data_ptr() for pair in zip(cache.keys, cache.values, strict=True) for t in pair
     ]
     assert cache.state_dict() == {}  # never saved with anything
     moved = cache.to(torch.float64)

@@ -245,7 +245,8 @@ def test_fsdp_mixed_precision_matches_one_process_within_bfloat16s_own_error(pre
     args = train_args(prepared, max_steps=12, eval_interval=12, ckpt_interval=12)
     runs = {}
     for name, dtype, processes in (("bf16", "bfloat16", 1), ("fp32", "float32", 1), ("fsdp", "bfloat16", 2)):
-        cmd, env = cli("train", *args, "--dtype", dtype, "--out", str(tmp_path / name), env_extra={"OMP_NUM_THREADS": "1"})
+        one_thread = {"OMP_NUM_THREADS": "1"}
+        cmd, env = cli("train", *args, "--dtype", dtype, "--out", str(tmp_path / name), env_extra=one_thread)
         if processes > 1:
             cmd = [*TORCHRUN, "-m", "difftransformer", *cmd[3:], "--parallel", "fsdp"]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
