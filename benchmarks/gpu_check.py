@@ -48,7 +48,7 @@ SIZES = {
     "memory": dict(preset="small", seq=4096, batch=4),
 }
 # What the CPU run changes, for time only: training steps and batch.
-CPU_CHANGES = {"train": dict(batch=2, steps=8)}
+CPU_CHANGES = {"train": dict(batch=1, steps=4)}
 FACTOR = 2.0  # an error may be at most this many times the standard model's in the same comparison
 RESUME_REL = 2.0**-20  # float32 rounding: a few units in the last place of the largest weight
 CHECKS = ("parity", "cache", "hf", "train", "memory")

@@ -18,6 +18,7 @@ import os
 import re
 import sys
 import tempfile
+from concurrent.futures import ProcessPoolExecutor
 
 os.environ.pop("TRITON_INTERPRET", None)  # before Triton is imported: compiled kernels, not interpreted ones
 os.environ["TRITON_DUMP_PTXAS_LOG"] = "1"  # Triton prints ptxas -v's report of every kernel it assembles
@@ -84,6 +85,10 @@ def report(name: str, d: int, dtype: torch.dtype, capability: int, tiles: triton
     }  # fmt: skip
 
 
+def _report(job: tuple) -> dict:
+    return report(*job)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--targets", type=int, nargs="+", default=[90, 80])
@@ -99,17 +104,16 @@ def main() -> int:
         print("(block_m, block_n, warps, stages); shared memory as Triton allocates it\n")
         print("| target | dtype | d | kernel | tiles | registers | spill bytes | shared KiB |")
         print("|---|---|---|---|---|---|---|---|")
-    for capability in args.targets:
-        for dtype in args.dtypes:
-            for d in args.dims:
-                for name in args.kernels:
-                    row = report(name, d, getattr(torch, dtype), capability, tiles)
-                    if args.markdown:
-                        print(f"| sm_{capability}{'a' if capability == 90 else ''} | {row['dtype']} | {d} | {name} | "
-                              f"{tuple(row['tiles'])} | {row['registers']} | {row['spill_bytes']} | "
-                              f"{row['shared_bytes'] / 1024:.0f} |", flush=True)  # fmt: skip
-                    else:
-                        print(json.dumps(row), flush=True)
+    jobs = [(name, d, getattr(torch, dtype), capability, tiles) for capability in args.targets
+            for dtype in args.dtypes for d in args.dims for name in args.kernels]  # fmt: skip
+    with ProcessPoolExecutor(max_workers=min(len(jobs), os.cpu_count() or 1)) as pool:  # ptxas runs on one core
+        for row in pool.map(_report, jobs):
+            if args.markdown:
+                print(f"| sm_{row['target']}{'a' if row['target'] == 90 else ''} | {row['dtype']} | {row['d']} | "
+                      f"{row['kernel']} | {tuple(row['tiles'])} | {row['registers']} | {row['spill_bytes']} | "
+                      f"{row['shared_bytes'] / 1024:.0f} |", flush=True)  # fmt: skip
+            else:
+                print(json.dumps(row), flush=True)
     return 0
 
 

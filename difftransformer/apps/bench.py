@@ -125,7 +125,7 @@ class _HFDiffLlamaAttention(torch.nn.Module):
     def __init__(self, dim: int, heads: int, impl: str) -> None:
         super().__init__()
         from transformers import DiffLlamaConfig
-        from transformers.models.diffllama.modeling_diffllama import DiffLlamaAttention, DiffLlamaRotaryEmbedding
+        from transformers.models.diffllama import modeling_diffllama as hf
 
         cfg = DiffLlamaConfig(
             hidden_size=dim,
@@ -136,7 +136,9 @@ class _HFDiffLlamaAttention(torch.nn.Module):
         )
         cfg._attn_implementation = impl
         self.impl = impl
-        self.attn, self.rotary = DiffLlamaAttention(cfg, layer_idx=0), DiffLlamaRotaryEmbedding(cfg)
+        # transformers before 5 has a class per implementation (4.48: DiffLlamaSdpaAttention), later one class
+        attention = getattr(hf, "DIFFLLAMA_ATTENTION_CLASSES", {}).get(impl, hf.DiffLlamaAttention)
+        self.attn, self.rotary = attention(cfg, layer_idx=0), hf.DiffLlamaRotaryEmbedding(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         t = x.shape[1]
