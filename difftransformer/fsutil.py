@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -51,7 +52,10 @@ def write_atomic(path: str | Path, write: Callable[[Path], object]) -> None:
     path = Path(path)
     if not path.parent.is_dir():  # named here: the write's own error would name the temporary file
         raise FileNotFoundError(f"the directory {path.parent} of {path} does not exist: create it or choose another")
-    tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}{path.suffix}")
+    fd, name = tempfile.mkstemp(prefix=f".{path.stem}.tmp-", suffix=path.suffix, dir=path.parent)  # a new file
+    os.fchmod(fd, 0o666 & ~_umask())  # as an ordinary new file would be (mkstemp makes it private)
+    os.close(fd)
+    tmp = Path(name)
     try:
         write(tmp)
         with open(tmp, "rb+") as f:
@@ -60,6 +64,12 @@ def write_atomic(path: str | Path, write: Callable[[Path], object]) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def write_text_atomic(path: str | Path, text: str) -> None:

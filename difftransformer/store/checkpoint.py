@@ -156,7 +156,8 @@ def publish_checkpoint(
         tmp.rename(final)
     _fsync_dir(root)
     for stale in _stale(list_checkpoints(run_dir), keep_last, keep_best):
-        shutil.rmtree(stale)
+        if not stale.is_symlink():  # never followed (a resume refuses a run holding one)
+            shutil.rmtree(stale)
     return final
 
 
@@ -295,12 +296,16 @@ def _unshared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+_STEP = re.compile(re.escape(PREFIX) + r"\d{8,}")  # the names the trainer writes, and nothing else
+
+
 def list_checkpoints(run_dir: str | Path) -> list[Path]:
-    """Complete checkpoints, oldest first (temporary directories of interrupted writes are ignored)."""
+    """Complete checkpoints, oldest first: the directories named as the trainer names them (``step_`` and the step;
+    temporary directories of interrupted writes, and a user's ``step_00000010.keep``, are not checkpoints)."""
     root = Path(run_dir) / CKPT_DIR
     if not root.is_dir():
         return []
-    return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX))
+    return sorted(p for p in root.iterdir() if p.is_dir() and _STEP.fullmatch(p.name))
 
 
 def _load_tensors(file: Path, expected: str | None = None) -> dict[str, torch.Tensor]:

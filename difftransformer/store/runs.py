@@ -7,9 +7,11 @@ checkpoints. Nothing in it names the directory itself, so a copy resumes into th
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
+import stat
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -41,11 +43,23 @@ QUANTIZATION = "quantization.json"
 
 
 class RunLock:
-    """An exclusive lock on a run directory while a trainer writes into it (released when the process ends)."""
+    """An exclusive lock on a run directory while a trainer writes into it (released when the process ends). The
+    lock file is opened without following a link: a run copied from elsewhere whose lock points at another file
+    (a shell's start-up file) cannot make training truncate that file."""
 
     def __init__(self, run_dir: Path) -> None:
         self.path = run_dir / LOCK
-        self._file = open(self.path, "a+")
+        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+        try:
+            fd = os.open(self.path, flags, 0o644)
+        except OSError as err:
+            if err.errno == errno.ELOOP:
+                raise InputError(_link_message(self.path)) from None
+            raise
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise InputError(f"{self.path} is not a regular file: remove it (it is the run's lock, made again)")
+        self._file = os.fdopen(fd, "r+")
         try:
             fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -64,6 +78,27 @@ class RunLock:
         if not self._file.closed:
             fcntl.flock(self._file, fcntl.LOCK_UN)
             self._file.close()
+
+
+def refuse_links(run_dir: Path) -> None:
+    """Refuse a run directory that a command is about to write into when one of its entries, or of its checkpoints
+    folder, is a symbolic link: such a command writes and deletes only inside the run directory and never follows a
+    link there."""
+    entries = list(run_dir.iterdir()) if run_dir.is_dir() else []
+    checkpoints = run_dir / CKPT_DIR
+    if checkpoints.is_dir() and not checkpoints.is_symlink():
+        entries += list(checkpoints.iterdir())
+    for entry in sorted(entries):
+        if entry.is_symlink():
+            raise InputError(_link_message(entry))
+
+
+def _link_message(entry: Path) -> str:
+    return (
+        f"{entry} is a symbolic link (to {os.readlink(entry)}): training writes only inside its run directory and "
+        "never follows a link there, so that a run from elsewhere cannot make it write or delete outside; replace "
+        "the link by a copy of what it points to, or remove it"
+    )
 
 
 def is_unstarted_run(path: Path) -> bool:

@@ -59,6 +59,7 @@ from difftransformer.store.runs import (
     check_weights,
     is_unstarted_run,
     refuse_changed,
+    refuse_links,
     refuse_quantized,
     start_checkpoint,
 )
@@ -306,8 +307,9 @@ class Trainer:
             write_text_atomic(self.run_dir / TRAIN_CONFIG, json.dumps(self._recipe(), indent=2) + "\n")
 
     def _open_existing_run(self) -> None:
-        """Lock the run, tidy what killed writes left, and find its data."""
+        """Lock the run (none of whose entries may be a link), tidy what killed writes left, and find its data."""
         if self.world.is_main:
+            refuse_links(self.run_dir)
             self.lock = RunLock(self.run_dir)
             for line in clean_stale(self.run_dir):
                 self._note(line)
