@@ -30,9 +30,10 @@ def read_text(path: str | Path) -> str:
 
 
 def parse_json_object(text: str, where: str) -> dict[str, Any]:
-    """``text`` parsed as a JSON object; ``where`` names the source in the error."""
+    """``text`` parsed as a JSON object; ``where`` names the source in the error. A key given twice in one object is
+    refused (JSON leaves it undefined; Python's reader kept the last without a word)."""
     try:
-        data = json.loads(text)
+        data = json.loads(text, object_pairs_hook=lambda pairs: _unique_keys(pairs, where))
     except json.JSONDecodeError as err:
         raise InputError(f"{where} is not valid JSON ({err})") from None
     except RecursionError:
@@ -40,6 +41,15 @@ def parse_json_object(text: str, where: str) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise InputError(f"{where} must hold a JSON object, got {type(data).__name__}")
     return data
+
+
+def _unique_keys(pairs: list[tuple[str, Any]], where: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise InputError(f"{where} gives the key {key!r} twice in one object; keep one")
+        out[key] = value
+    return out
 
 
 def read_json_object(path: str | Path) -> dict[str, Any]:

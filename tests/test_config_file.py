@@ -98,6 +98,12 @@ def test_print_config_round_trips_and_says_what_is_unset(tmp_path, capsys):
         ("run.yaml", "- 1\n- 2\n", "run.yaml must hold a mapping of settings, got list"),
         ("run.json", "[1]", "run.json must hold a JSON object, got list"),
         ("run.ini", "lr=1", "unknown format '.ini'; name the file .toml, .yaml, .yml or .json"),
+        ("run.yaml", "data: d\nlr: 0.1\nlr: 0.2\n", "run.yaml gives the key 'lr' twice in one mapping; keep one"),
+        ("run.json", '{"data": "d", "lr": 0.1, "lr": 0.2}', "run.json gives the key 'lr' twice in one object"),
+        ("run.yaml", "data: d\nmodel: &a [*a]\n", "run.yaml: line 2 uses a YAML alias (*name)"),
+        ("run.json", "[" * 5000 + "]" * 5000, "run.json nests more than 16 levels deep"),
+        ("run.toml", "a = " + "[" * 5000 + "]" * 5000, "run.toml nests more than 16 levels deep"),
+        ("run.yaml", "a: " + "x" * (1 << 20), "run.yaml is larger than a config file can be (1024 KiB)"),
         (
             "run.toml",
             'data = "d"\ninit_from = "r"\npreset = "small"\n',
@@ -114,6 +120,25 @@ def test_errors_name_the_file_and_its_key(tmp_path, capsys, monkeypatch, name, t
     err = " ".join(capsys.readouterr().err.split())
     assert message in err, err
     assert "--lr" not in err  # a file's key is named as the file names it, not as a flag
+
+
+@pytest.mark.parametrize("levels", [2, 9])
+def test_yaml_aliases_are_refused_in_time_however_they_nest(tmp_path, capsys, levels):
+    """The recursive alias once ended in a RecursionError traceback and nested ones ("billion laughs") in gigabytes:
+    each is now refused at its first alias, before anything is built."""
+    import time
+
+    optional("yaml")
+    lines = ["a: &a [x, x, x, x, x, x, x, x, x, x]"]
+    lines += [f"{chr(98 + i)}: &{chr(98 + i)} [{', '.join([f'*{chr(97 + i)}'] * 10)}]" for i in range(levels)]
+    path = tmp_path / "bomb.yaml"
+    path.write_text("\n".join(lines) + "\n")
+    start = time.perf_counter()
+    assert main(["train", "--config", str(path), "--print-config"]) == 2
+    assert time.perf_counter() - start < 1.0
+    assert (
+        "line 2 uses a YAML alias (*name), which a config file may not: write the value out" in capsys.readouterr().err
+    )
 
 
 def test_a_flag_s_error_names_the_flag_not_the_file(tmp_path, capsys):

@@ -245,3 +245,33 @@ def test_damaged_checkpoints_load_unchanged_or_are_refused(tmp_path_factory, che
     for name, tensor in original[0].items():
         assert torch.equal(model[name], tensor) and model[name].dtype == tensor.dtype, name
     assert torch.equal(optim["state"]["w"]["exp_avg"], original[1]["state"]["w"]["exp_avg"])
+
+
+# Characters that make the three formats' structure (brackets, anchors, aliases, tags, keys, quotes, indentation),
+# with letters and digits between them
+_STRUCTURE = st.text(alphabet="[]{}&*!:,-=.'\"#|>\n  abxyz019", max_size=400)
+
+
+@SETTINGS
+@given(text=st.one_of(_STRUCTURE, st.text(max_size=300)), suffix=st.sampled_from([".yaml", ".toml", ".json"]))
+@example(text="a: &a [*a]\n", suffix=".yaml")
+@example(text="a: &a [x, x]\nb: &b [*a, *a]\nc: [*b, *b]\n", suffix=".yaml")
+@example(text="[" * 3000, suffix=".json")
+@example(text="a = " + "[" * 3000, suffix=".toml")
+def test_any_config_file_reads_or_is_refused_within_a_second(tmp_path_factory, text, suffix):
+    """Random documents of each format: a mapping of settings or an InputError that names the file, never another
+    exception, and each within a second (the YAML aliases that recursed or grew without bound are refused first)."""
+    import time
+
+    from difftransformer.training.config_file import read_config_file
+
+    path = tmp_path_factory.mktemp("config") / f"run{suffix}"
+    path.write_text(text, encoding="utf-8")
+    start = time.perf_counter()
+    try:
+        fields = read_config_file(path)
+    except InputError as err:
+        assert str(path) in str(err)  # the error names the file
+    else:
+        assert isinstance(fields, dict)
+    assert time.perf_counter() - start < 1.0

@@ -62,6 +62,13 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
 
 
 def _parse(text: str, kind: str, where: str) -> dict[str, Any]:
+    """The file's settings. Bounded before anything is walked: at most MAX_BYTES, nesting at most MAX_DEPTH (deeper
+    documents overflow the readers' recursion), no YAML alias (``*a``: a recursive one, ``a: &a [*a]``, has no end
+    and nested ones grow exponentially, the "billion laughs"), no key given twice."""
+    if len(text.encode("utf-8")) > MAX_BYTES:
+        raise InputError(f"{where} is larger than a config file can be ({MAX_BYTES // 1024} KiB)")
+    if _depth(text) > MAX_DEPTH:
+        raise InputError(f"{where} nests more than {MAX_DEPTH} levels deep; a config file needs two")
     if kind == "JSON":
         return parse_json_object(text, where)
     if kind == "TOML":
@@ -69,15 +76,60 @@ def _parse(text: str, kind: str, where: str) -> dict[str, Any]:
             return tomllib.loads(text)
         except tomllib.TOMLDecodeError as err:
             raise InputError(f"{where} is not valid TOML ({err})") from None
+        except RecursionError:
+            raise InputError(f"{where} is nested too deeply to be read") from None
     import yaml  # an optional dependency (the yaml extra): the CLI names it when missing
 
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_loader(yaml, where))  # noqa: S506 - a SafeLoader without aliases
     except yaml.YAMLError as err:
         raise InputError(f"{where} is not valid YAML ({' '.join(str(err).split())})") from None
+    except RecursionError:
+        raise InputError(f"{where} is nested too deeply to be read") from None
     if not isinstance(data, dict):
         raise InputError(f"{where} must hold a mapping of settings, got {type(data).__name__}")
     return {k: v if str(k).replace("-", "_") in PATHS else _yaml_numbers(v) for k, v in data.items()}
+
+
+MAX_BYTES = 1 << 20
+MAX_DEPTH = 16
+
+
+def _depth(text: str) -> int:
+    """An upper bound of a document's nesting: the most brackets open at once, or indentation steps (YAML)."""
+    depth = deepest = 0
+    for char in text:
+        if char in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif char in "]}":
+            depth = max(0, depth - 1)
+    indents = {len(line) - len(line.lstrip(" -")) for line in text.splitlines() if line.strip()}
+    return max(deepest, len(indents))
+
+
+def _loader(yaml, where: str):
+    """PyYAML's SafeLoader that refuses aliases where it meets them (before building anything) and keys given twice
+    in one mapping (YAML forbids them; PyYAML kept the last without a word)."""
+
+    class Loader(yaml.SafeLoader):
+        def compose_node(self, parent, index):
+            if self.check_event(yaml.AliasEvent):
+                mark = self.peek_event().start_mark
+                raise InputError(
+                    f"{where}: line {mark.line + 1} uses a YAML alias (*name), which a config file may not: write the "
+                    "value out"
+                )
+            return super().compose_node(parent, index)
+
+        def construct_mapping(self, node, deep=False):
+            keys = [self.construct_object(key, deep=deep) for key, _ in node.value]
+            for i, key in enumerate(keys):
+                if key in keys[:i]:
+                    raise InputError(f"{where} gives the key {key!r} twice in one mapping; keep one")
+            return super().construct_mapping(node, deep)
+
+    return Loader
 
 
 def _yaml_numbers(value: Any) -> Any:
