@@ -231,3 +231,70 @@ def test_eval_of_an_imported_llama_uses_its_own_end_token(corpus_dir, tmp_path, 
     out = capsys.readouterr().out
     result = json.loads(out[out.index("{") :])
     assert abs(result["lm_eval"]["bits_per_byte"] - result["ours"]["bits_per_byte"]) < 1e-4
+
+
+def _hf_dir(prepared, tmp_path):
+    run = small_run(prepared, tmp_path / "run", "diff")
+    assert main(["convert", "--run", str(run), "--to", "hf", "--out", str(tmp_path / "hf")]) == 0
+    return tmp_path / "hf"
+
+
+def _damage(path, how: str) -> None:
+    import struct
+
+    data = bytearray(path.read_bytes())
+    (length,) = struct.unpack("<Q", data[:8])
+    if how == "truncated":
+        data = data[: len(data) - 100]
+    elif how == "header length":
+        data[:8] = struct.pack("<Q", 1 << 40)
+    elif how == "header":
+        data[8] = ord("X")  # the header JSON's opening brace
+    elif how == "dtype":
+        data[8 : 8 + length] = bytes(data[8 : 8 + length]).replace(b'"F32"', b'"Q32"', 1)
+    elif how == "overlap":  # the second tensor's bytes start inside the first one's
+        import json
+
+        header = json.loads(bytes(data[8 : 8 + length]))
+        names = sorted((n for n in header if n != "__metadata__"), key=lambda n: header[n]["data_offsets"][0])
+        first, second = header[names[0]]["data_offsets"], header[names[1]]["data_offsets"]
+        header[names[1]]["data_offsets"] = [first[0], first[0] + second[1] - second[0]]
+        text = json.dumps(header, separators=(",", ":")).encode()  # no longer than the original: padded to it
+        data[8 : 8 + length] = text.ljust(length)
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("how, message", [
+    ("truncated", "lies at bytes"),
+    ("header length", "its header claims 1099511627776 bytes"),
+    ("header", "its header is not valid JSON"),
+    ("dtype", "has the unknown dtype 'Q32'"),
+    ("overlap", "share bytes"),
+])  # fmt: skip
+def test_a_damaged_hf_weights_file_is_a_clear_error(prepared, tmp_path, capsys, how, message):
+    """A truncated file once ended in SafetensorError's traceback ("incomplete metadata"), a garbage header length in
+    "header too large"; every damage is named now, before transformers reads the file, and nothing is written."""
+    hf = _hf_dir(prepared, tmp_path)
+    _damage(hf / "model.safetensors", how)
+    capsys.readouterr()
+    assert main(["convert", "--from-hf", str(hf), "--out", str(tmp_path / "back")]) == 2
+    err = capsys.readouterr().err
+    assert f"{hf / 'model.safetensors'} is damaged or not a safetensors file: " in err and message in err, err
+    assert not (tmp_path / "back").exists()
+
+
+def test_hf_weights_missing_or_not_finite_are_refused(prepared, tmp_path, capsys):
+    """transformers starts a weight its files lack at random with a warning; a NaN imported with exit 0 once."""
+    from safetensors.torch import load_file, save_file
+
+    hf = _hf_dir(prepared, tmp_path)
+    weights = load_file(hf / "model.safetensors")
+    name = next(n for n in weights if n.endswith("q_proj.weight"))
+    save_file({n: t for n, t in weights.items() if n != name}, hf / "model.safetensors", {"format": "pt"})
+    assert main(["convert", "--from-hf", str(hf), "--out", str(tmp_path / "a")]) == 2
+    assert f"has no weights for {name} (transformers would start it at random)" in capsys.readouterr().err
+    weights[name][0, 0] = float("nan")
+    save_file(weights, hf / "model.safetensors", {"format": "pt"})
+    assert main(["convert", "--from-hf", str(hf), "--out", str(tmp_path / "b")]) == 2
+    assert f"{name} holds values that are not finite" in capsys.readouterr().err
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()

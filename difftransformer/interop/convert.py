@@ -18,6 +18,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import torch
+
 from difftransformer.errors import InputError
 from difftransformer.fsutil import read_json_object, write_new_dir, write_text_atomic
 from difftransformer.interop.hf import calibrate_subln, diff_from_standard, from_hf, rope_entries, to_hf
@@ -25,6 +27,7 @@ from difftransformer.interop.model_card import CARD, model_card, training_record
 from difftransformer.store.checkpoint import PREFIX, list_checkpoints
 from difftransformer.store.runs import load_run, names_checkpoint, save_run
 from difftransformer.store.tokenizer import EOT, HF_FILE, ByteTokenizer, HFTokenizer, read_tokenizer_file
+from difftransformer.store.weights_file import check_header
 
 ARCHITECTURES = ("DiffLlamaForCausalLM", "LlamaForCausalLM")
 
@@ -165,16 +168,44 @@ def hf_to_run(hf_dir: str | Path, out_dir: str | Path, attention: str | None = N
             + "; save the model with save_pretrained(..., safe_serialization=True), where you trust it, and convert "
             "that directory"
         )
-    try:
-        hf_model = AutoModelForCausalLM.from_pretrained(hf_dir, local_files_only=True, use_safetensors=True)
-    except (OSError, ValueError) as err:
-        raise InputError(f"transformers could not load {hf_dir}: {err}") from None
+    stored: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for file in sorted(hf_dir.glob("*.safetensors")):  # checked before transformers reads them
+        stored.update(check_header(file, "save the model again (save_pretrained) or copy the directory again"))
+    try:  # never the directory's own code (an auto_map in its config): only the architectures above
+        hf_model = AutoModelForCausalLM.from_pretrained(
+            hf_dir, local_files_only=True, use_safetensors=True, trust_remote_code=False
+        )
+    except Exception as err:  # transformers reads files from elsewhere: a failure is the directory's
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        raise InputError(f"transformers could not load {hf_dir}: {type(err).__name__}: {first}") from None
+    _check_loaded(hf_model, stored, hf_dir)
     model = from_hf(hf_model)
     if attention == "diff" and model.config.attention != "diff":
         reference = model
         model = diff_from_standard(reference)
         calibrate_subln(model, reference, _calibration_tokens(tokenizer, model.config.max_seq_len))
     return save_run(model, tokenizer, out_dir, {"source": str(hf_dir.resolve())})
+
+
+def _check_loaded(hf_model, stored: dict, hf_dir: Path) -> None:
+    """Every weight transformers built came from the files, with the file's shape, and is finite: transformers starts
+    a weight its files lack at random with only a warning, and a model that diverged would import without a word."""
+    tied = bool(getattr(hf_model.config, "tie_word_embeddings", False))
+    for name, tensor in hf_model.state_dict().items():
+        if name not in stored:
+            if tied and name == "lm_head.weight":
+                continue
+            raise InputError(
+                f"{hf_dir} has no weights for {name} (transformers would start it at random): the files are "
+                "incomplete or of another model"
+            )
+        if tuple(tensor.shape) != stored[name][1]:
+            raise InputError(f"{hf_dir}: {name} has shape {stored[name][1]}, its config needs {tuple(tensor.shape)}")
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise InputError(
+                f"{hf_dir}: {name} holds values that are not finite (NaN or infinity): the model had diverged when it "
+                "was saved; convert an earlier checkpoint of it"
+            )
 
 
 def _imported_tokenizer(hf_dir: Path, hf_config: dict) -> HFTokenizer | ByteTokenizer:

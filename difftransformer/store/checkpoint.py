@@ -32,6 +32,7 @@ from safetensors.torch import save_file
 
 from difftransformer.errors import InputError
 from difftransformer.store.shards import CHUNKS_KEY, PieceReader, piece_file_name, piece_files, piece_metadata
+from difftransformer.store.weights_file import check_header
 
 CKPT_DIR = "checkpoints"
 PREFIX = "step_"
@@ -313,6 +314,7 @@ def _load_tensors(file: Path, expected: str | None = None) -> dict[str, torch.Te
     one (``expected``), against that: a file copied in from another checkpoint matches its own digest only."""
     if not file.is_file():
         raise FileNotFoundError(f"checkpoint {file.parent} is incomplete: {file.name} is missing")
+    check_header(file, _earlier(file.parent))
     try:
         with safe_open(file, "pt") as f:
             metadata = f.metadata() or {}

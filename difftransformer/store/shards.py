@@ -21,6 +21,7 @@ import torch
 from safetensors import safe_open
 
 from difftransformer.errors import InputError
+from difftransformer.store.weights_file import check_header
 
 CHUNKS_KEY = "chunks"
 
@@ -122,7 +123,8 @@ class PieceReader:
 
 
 def _pieces_of(file: Path):
-    """(name, Piece, dtype) of every tensor in one file, from its header."""
+    """(name, Piece, dtype) of every tensor in one file, from its header (checked first)."""
+    check_header(file)
     with safe_open(file, "pt") as f:
         metadata = f.metadata() or {}
         chunks = json.loads(metadata[CHUNKS_KEY]) if CHUNKS_KEY in metadata else None
