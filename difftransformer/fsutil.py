@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -71,9 +72,13 @@ def write_atomic(path: str | Path, write: Callable[[Path], object]) -> None:
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as err:
         tmp.unlink(missing_ok=True)
-        raise
+        number = io_errno(err)
+        if number is None:
+            raise
+        kept = "the earlier file is unchanged" if path.exists() else "nothing of it was left"
+        raise OSError(number, f"could not write {path} ({os.strerror(number)}); {kept}") from err
 
 
 def _umask() -> int:
@@ -137,10 +142,26 @@ def write_new_dir(out: str | Path, what: str, write: Callable[[Path], T]) -> T:
         if out.exists():
             out.rmdir()
         tmp.rename(out)
-    except BaseException:
+    except BaseException as err:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        number = io_errno(err)
+        if number is None:
+            raise
+        raise OSError(
+            number,
+            f"could not write {what} {out} ({os.strerror(number)}); nothing of it was left: free some space (or fix "
+            "the problem) and run the command again",
+        ) from err
     return result
+
+
+def io_errno(err: BaseException) -> int | None:
+    """The operating system's error number when ``err`` is a failed read or write (an OSError, or the error of a
+    library written in Rust that wraps one, as safetensors and tokenizers say "(os error 28)"); None otherwise."""
+    if isinstance(err, OSError) and err.errno is not None:
+        return err.errno
+    found = re.search(r"\(os error (\d+)\)", str(err)) if isinstance(err, Exception) else None
+    return int(found.group(1)) if found else None
 
 
 def open_plan(

@@ -10,6 +10,7 @@ import math
 from pathlib import Path
 
 from difftransformer.errors import InputError
+from difftransformer.fsutil import write_atomic
 
 PLOT_EXTRA = "pip install 'difftransformer[plot]'"  # what installs matplotlib, in every message that asks for it
 
@@ -85,8 +86,10 @@ def finish(fig, path: Path, title: str, dpi: int = 110) -> None:
             ncol -= 1
     for ax in fig.axes:
         ax.tick_params(labelsize=9)
-    fig.savefig(path, dpi=dpi)
-    pyplot().close(fig)
+    try:
+        write_atomic(path, lambda tmp: fig.savefig(tmp, dpi=dpi, format=Path(path).suffix[1:] or None))
+    finally:
+        pyplot().close(fig)
 
 
 def readable_log_axis(ax, axis: str = "x") -> None:

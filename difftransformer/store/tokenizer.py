@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from difftransformer.errors import Fields, InputError
-from difftransformer.fsutil import read_json_object
+from difftransformer.fsutil import read_json_object, write_new_dir
 
 if TYPE_CHECKING:
     import tokenizers
@@ -389,5 +389,5 @@ def train_bpe(texts: Iterable[str], vocab_size: int, out_dir: str | Path) -> HFT
     if not seen["characters"]:
         raise InputError("the input holds no text to train a tokenizer on (every document is empty)")
     result = HFTokenizer(tok)
-    result.save(out_dir)
+    write_new_dir(out_dir, "tokenizer directory", result.save)  # whole or not at all (a full disk)
     return result

@@ -1,0 +1,54 @@
+"""A full disk for every command that writes (issue #47, part 4): the OS refuses a write (here a file-size limit,
+which fails a write with EFBIG as a full disk does with ENOSPC), and the command says in one line what it could not
+write and that nothing of it was left, exit 2, no traceback; nothing partial stays that a later command would take as
+complete. (Training's own case, with its intact earlier checkpoint: tests/test_train_failures.py.)"""
+
+import resource
+import signal
+import subprocess
+
+import pytest
+from conftest import difftx, small_config
+
+from difftransformer.training.loop import train
+
+LIMIT = 2000  # bytes a file may grow to: every writer below writes a larger file
+
+
+def _limited():
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails instead of killing the process
+    resource.setrlimit(resource.RLIMIT_FSIZE, (LIMIT, LIMIT))
+
+
+@pytest.fixture
+def run(prepared, tmp_path):
+    out = tmp_path / "run"
+    train(small_config(prepared, out, max_steps=2, ckpt_interval=2, eval_interval=2), quiet=True)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "command, output, what",
+    [
+        ("data prepare --input {corpus} --out {tmp}/out", "out", "data directory"),
+        ("tokenizer train --input {corpus} --out {tmp}/out --vocab-size 300", "out", "tokenizer directory"),
+        ("convert --run {run} --to hf --out {tmp}/out", "out", "output directory"),
+        ("convert --from-hf {tmp}/hf --out {tmp}/out", "out", "output directory"),
+        ("quantize --run {run} --scheme w8a16 --out {tmp}/out", "out", "output directory"),
+        ("analyze outliers --run {run} --run {run} --tokens 256 --out {tmp}/out", "out", "output directory"),
+        ("demo", "data/pydocs", "data directory"),
+    ],
+)
+def test_a_full_disk_is_a_clear_error_and_leaves_nothing_partial(corpus_dir, run, tmp_path, command, output, what):
+    subprocess.run(difftx("convert", "--run", str(run), "--to", "hf", "--out", str(tmp_path / "hf")), check=True)
+    argv = command.format(corpus=corpus_dir, tmp=tmp_path, run=run).split()
+    proc = subprocess.run(difftx(*argv), cwd=tmp_path, capture_output=True, text=True, preexec_fn=_limited, timeout=900)
+    name = "difftx " + " ".join(argv[:2] if argv[0] in ("data", "tokenizer", "analyze") else argv[:1])
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"{name}: error: [Errno 27] could not write {what} "), last
+    assert "(File too large); nothing of it was left: free some space" in last
+    assert not (tmp_path / output).exists()
+    assert not [p for p in (tmp_path / output).parent.iterdir() if ".tmp-" in p.name]  # no temporary left
