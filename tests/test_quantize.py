@@ -182,3 +182,16 @@ def test_bench_quantized_names_the_context_that_fits(trained, tmp_path, capsys):
     tokens = ["--tokens", str(window), "--repeats", "1"]
     assert main(["bench", "quantized", "--run", str(tmp_path / "q"), "--context", "1", *tokens]) == 2
     assert capsys.readouterr().err.strip().endswith(f"use --tokens {window - 2} or fewer")  # no context would fit
+
+
+def test_one_checkpoint_of_a_run_quantizes(trained, tmp_path, capsys):
+    """`--run RUN/checkpoints/step_N`, which generate, eval and convert take, once ended in an IndexError."""
+    from difftransformer import load_run
+    from difftransformer.store.checkpoint import list_checkpoints
+
+    checkpoint = list_checkpoints(trained)[-1]
+    assert main(["quantize", "--run", str(checkpoint), "--scheme", "w8a16", "--out", str(tmp_path / "q")]) == 0
+    spec = json.loads((tmp_path / "q" / "quantization.json").read_text())
+    assert spec["source"] == str(trained.resolve()) and spec["source_step"] == 6
+    model, _ = load_run(tmp_path / "q")
+    assert model.config == load_run(checkpoint)[0].config

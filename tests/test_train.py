@@ -180,3 +180,18 @@ def test_optimizer_step_scores_only_the_targets_that_are_not_ignored():
     assert row["loss"] == pytest.approx(expected, rel=1e-5)
     assert row["lr"] == 0.01 and optimizer.param_groups[0]["lr"] == 0.01 and "skipped" not in row
     assert not torch.equal(model.embed.weight, before)
+
+
+def test_a_standard_run_starts_a_new_run_without_attention(prepared, tmp_path, capsys):
+    """--init-from a standard-attention run (every plain Llama import): the model's attention comes with it. The
+    default 'diff' once refused it ("--attention is 'diff' ... drop it", though it was not given)."""
+    from difftransformer.apps.cli import main
+    from difftransformer.store.runs import load_run
+
+    train(small_config(prepared, tmp_path / "std", attention="standard", max_steps=2, ckpt_interval=2), quiet=True)
+    args = ["train", "--data", str(prepared), "--init-from", str(tmp_path / "std"), "--out", str(tmp_path / "next"),
+            "--max-steps", "2", "--seq-len", "32", "--batch-size", "4", "--eval-tokens", "256", "--quiet"]  # fmt: skip
+    assert main(args) == 0, capsys.readouterr().err
+    assert load_run(tmp_path / "next")[0].config.attention == "standard"
+    assert main([*args[:-3], "--attention", "standard", "--out", str(tmp_path / "other"), "--quiet"]) == 2
+    assert "--attention cannot be given with --init-from" in capsys.readouterr().err  # the model sets it

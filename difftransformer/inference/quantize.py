@@ -22,8 +22,15 @@ from difftransformer.errors import InputError
 from difftransformer.fsutil import check_new_dir, write_new_dir, write_text_atomic
 from difftransformer.inference.magnitudes import MagnitudeStats
 from difftransformer.progress import Progress, batches
-from difftransformer.store.checkpoint import list_checkpoints, save_checkpoint
-from difftransformer.store.runs import MODEL_CONFIG, QUANTIZATION, load_run, read_quantization, run_windows
+from difftransformer.store.checkpoint import PREFIX, list_checkpoints, save_checkpoint
+from difftransformer.store.runs import (
+    MODEL_CONFIG,
+    QUANTIZATION,
+    load_run,
+    read_quantization,
+    run_and_checkpoint,
+    run_windows,
+)
 
 CALIBRATORS = ("absmax", "percentile")
 
@@ -110,13 +117,14 @@ def quantize_run(
     if calib_samples < 1:
         raise InputError(f"the number of calibration windows must be at least 1, got {calib_samples}")
     check_new_dir(out, "output directory")
+    run, checkpoint = run_and_checkpoint(run)  # a run, or one of its checkpoints (RUN/checkpoints/step_N)
     earlier = read_quantization(run) if run.is_dir() else None
     if earlier is not None:
         raise InputError(
             f"{run} is already quantized ({earlier['scheme']}): quantize its float source {earlier['source']} instead"
         )
-    model, tokenizer = load_run(run)
-    step = int(list_checkpoints(run)[-1].name.split("_")[-1])
+    model, tokenizer = load_run(checkpoint or run)
+    step = int((checkpoint or list_checkpoints(run)[-1]).name.removeprefix(PREFIX))
     spec = {
         "scheme": scheme,
         "weight_bits": SCHEMES[scheme][0],

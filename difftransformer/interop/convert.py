@@ -25,7 +25,7 @@ from difftransformer.fsutil import read_json_object, write_new_dir, write_text_a
 from difftransformer.interop.hf import calibrate_subln, diff_from_standard, from_hf, rope_entries, to_hf
 from difftransformer.interop.model_card import CARD, model_card, training_record
 from difftransformer.store.checkpoint import PREFIX, list_checkpoints
-from difftransformer.store.runs import load_run, names_checkpoint, save_run
+from difftransformer.store.runs import load_run, run_and_checkpoint, save_run
 from difftransformer.store.tokenizer import EOT, HF_FILE, ByteTokenizer, HFTokenizer, read_tokenizer_file
 from difftransformer.store.weights_file import check_header
 
@@ -61,9 +61,7 @@ def run_to_hf(
     from transformers import PreTrainedTokenizerFast
 
     model, tokenizer = load_run(run_dir)
-    run, checkpoint = Path(run_dir), None
-    if names_checkpoint(run):
-        run, checkpoint = run.parent.parent, run
+    run, checkpoint = run_and_checkpoint(run_dir)
     step = int((checkpoint or list_checkpoints(run)[-1]).name.removeprefix(PREFIX))
     stops = tokenizer.stop_ids
     hf_model = to_hf(

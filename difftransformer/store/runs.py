@@ -111,6 +111,15 @@ def names_checkpoint(path: Path) -> bool:
     return path.parent.name == CKPT_DIR and path.name.startswith(PREFIX)
 
 
+def run_and_checkpoint(path: str | Path) -> tuple[Path, Path | None]:
+    """(run directory, the checkpoint ``path`` names or None): a command given a run reads its newest checkpoint,
+    one given ``RUN/checkpoints/step_N`` that one."""
+    path = Path(path)
+    if names_checkpoint(path) and path.is_dir():
+        return path.parent.parent, path
+    return path, None
+
+
 def start_checkpoint(init_from: str | Path) -> tuple[Path, Path]:
     """(run directory, checkpoint directory) that ``init_from`` names: a run (its newest checkpoint) or one of its
     checkpoints (``RUN/checkpoints/step_N``)."""
@@ -235,10 +244,7 @@ def load_run(run_dir: str | Path, device: str | torch.device = "cpu") -> tuple[T
         >>> tokenizer.decode(tokenizer.encode("To be"))
         'To be'
     """
-    run = Path(run_dir)
-    checkpoint = None
-    if names_checkpoint(run) and run.is_dir():
-        run, checkpoint = run.parent.parent, run
+    run, checkpoint = run_and_checkpoint(run_dir)
     if run.exists() and not run.is_dir():
         raise InputError(f"{run} is a file, not a run directory")
     if not run.is_dir():

@@ -178,11 +178,25 @@ def _train_config(args: argparse.Namespace, settings: dict, flags: set[str]):
             f"{clash[0]} cannot be given with {with_}: the model (its config and weights) comes from "
             f"{settings['init_from']}; drop it"
         )
+    if settings.get("init_from") and "attention" not in settings:  # the model's own, not the default's
+        settings["attention"] = _attention_of(settings["init_from"])
     if not settings.get("data"):
         if not args.print_config:
             raise InputError("difftx train needs --data (a directory made by 'difftx data prepare') or --resume RUN")
         settings["data"] = _NO_DATA
     return TrainConfig(**settings, out=default_out), False
+
+
+def _attention_of(init_from: str) -> str:
+    """The attention kind of the run (or checkpoint) a run starts from, as its model_config.json records it ('diff' when
+    it cannot be read: the trainer then names what is wrong with init_from)."""
+    from difftransformer.core.config import ModelConfig
+    from difftransformer.store.runs import MODEL_CONFIG, run_and_checkpoint
+
+    try:
+        return ModelConfig.from_json(run_and_checkpoint(init_from)[0] / MODEL_CONFIG).attention
+    except (OSError, ValueError):
+        return "diff"
 
 
 def _diverged(err, cfg: TrainConfig, main: bool) -> int:
