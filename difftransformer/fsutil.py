@@ -18,15 +18,19 @@ T = TypeVar("T")
 
 
 def read_text(path: str | Path) -> str:
-    """A file's text, which must be UTF-8 (the error names the first bad byte and how to convert)."""
+    """A file's text, which must be UTF-8; a byte-order mark at its start is not text and is dropped (it once became
+    three tokens at the start of a document). The error names the first bad byte and how to convert: a UTF-16 file
+    says so by its byte-order mark; anything else is most often Latin-1."""
     path = Path(path)
     data = path.read_bytes()
     try:
-        return data.decode("utf-8")
+        return data.decode("utf-8").removeprefix("\ufeff")
     except UnicodeDecodeError as err:
+        utf16 = data[:2] in (b"\xff\xfe", b"\xfe\xff")
+        what = ", it starts with UTF-16's byte-order mark" if utf16 else ""
         raise InputError(
-            f"{path} is not valid UTF-8 (byte {err.start}: {data[err.start : err.start + 4]!r}); convert it, "
-            "e.g. iconv -f latin1 -t utf-8"
+            f"{path} is not valid UTF-8{what} (byte {err.start}: {data[err.start : err.start + 4]!r}); convert it, "
+            f"e.g. iconv -f {'utf-16' if utf16 else 'latin1'} -t utf-8"
         ) from None
 
 

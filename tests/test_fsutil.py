@@ -29,6 +29,33 @@ def test_read_text_names_the_first_bad_byte(tmp_path):
         read_text(path)
 
 
+def test_read_text_drops_a_byte_order_mark_and_names_utf16(tmp_path):
+    """A BOM once became three tokens at the start of a document; a UTF-16 file was told to convert from Latin-1."""
+    path = tmp_path / "bom.txt"
+    path.write_bytes(b"\xef\xbb\xbfTo be")
+    assert read_text(path) == "To be"
+    path.write_bytes("To be".encode("utf-16"))
+    with pytest.raises(InputError, match=r"is not valid UTF-8, it starts with UTF-16's byte-order mark .* -f utf-16"):
+        read_text(path)
+
+
+def test_linked_folders_of_an_input_are_read_once(tmp_path):
+    """data prepare skipped a linked folder without a word (linked files were read); a link back up the tree is not a
+    loop."""
+    from difftransformer.store.corpus import find_files
+
+    (tmp_path / "corpus" / "own").mkdir(parents=True)
+    (tmp_path / "corpus" / "own" / "a.txt").write_text("a")
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "b.md").write_text("b")
+    (tmp_path / "corpus" / "linked").symlink_to(tmp_path / "elsewhere")
+    (tmp_path / "corpus" / "own" / "up").symlink_to(tmp_path / "corpus")  # a loop
+    assert [p.relative_to(tmp_path / "corpus").as_posix() for p in find_files([tmp_path / "corpus"])] == [
+        "linked/b.md",
+        "own/a.txt",
+    ]
+
+
 @pytest.mark.parametrize(
     "text, message",
     [

@@ -46,7 +46,7 @@ def find_files(inputs: list[str | Path]) -> list[Path]:
         if not path.exists():
             raise FileNotFoundError(f"input {path} does not exist")
         if path.is_dir():
-            found = sorted(p for p in path.rglob("*") if p.is_file() and _kind(p) is not None)
+            found = sorted(p for p in _walk(path) if _kind(p) is not None)
             if not found:
                 raise InputError(f"directory {path} holds no .txt, .md or .jsonl files")
             files.extend(found)
@@ -55,6 +55,19 @@ def find_files(inputs: list[str | Path]) -> list[Path]:
         else:
             raise InputError(f"{path}: unsupported file type {path.suffix!r}; use .txt, .md or .jsonl")
     return files
+
+
+def _walk(root: Path) -> Iterator[Path]:
+    """Every file under ``root``, linked folders followed as linked files are (each real folder once: a link back up
+    the tree is not a loop)."""
+    seen = set()
+    for folder, dirs, files in os.walk(root, followlinks=True):
+        real = os.path.realpath(folder)
+        if real in seen:
+            dirs[:] = []
+            continue
+        seen.add(real)
+        yield from (Path(folder) / name for name in files if (Path(folder) / name).is_file())
 
 
 def _kind(path: Path) -> str | None:
