@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -15,6 +16,12 @@ from typing import Any, TypeVar
 from difftransformer.errors import InputError
 
 T = TypeVar("T")
+
+
+def shell(path: str | Path) -> str:
+    """A path as a shell reads it back, quoted when it must be: what a printed command line holds (a path with a
+    space once broke the commands the messages suggest)."""
+    return shlex.quote(str(path))
 
 
 def read_text(path: str | Path) -> str:

@@ -166,3 +166,21 @@ def test_importing_the_cli_does_not_import_torch():
     code = "import sys, difftransformer.apps.cli; print('torch' in sys.modules, 'numpy' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "False"]
+
+
+def test_the_printed_next_commands_work_with_a_space_in_the_path(prepared, tmp_path, capsys):
+    """The `next:` hint's commands, pasted as printed, run: a path with a space is quoted (it once split in two)."""
+    import shlex
+
+    from conftest import train_args
+
+    from difftransformer.apps.cli import main
+
+    run = tmp_path / "my run"
+    assert main(["train", *train_args(prepared, max_steps=2, ckpt_interval=2, eval_interval=2), "--out", str(run)]) == 0
+    hint = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("next: "))
+    sample, further = hint.removeprefix("next: ").removesuffix(")").split(" (to train further: ")
+    assert shlex.split(further) == ["difftx", "train", "--resume", str(run), "--max-steps", "N"]
+    argv = shlex.split(sample)
+    assert argv[:3] == ["difftx", "generate", "--run"] and argv[3] == str(run)
+    assert main([*argv[1:], "--max-new-tokens", "2"]) == 0

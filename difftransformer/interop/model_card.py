@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from difftransformer.core.model import TransformerLM
-from difftransformer.fsutil import read_json_object
+from difftransformer.fsutil import read_json_object, shell
 from difftransformer.store.runs import METRICS, TRAIN_CONFIG
 
 CARD = "README.md"
@@ -179,7 +179,7 @@ def model_card(
         "print(tokenizer.decode(model.generate(**inputs, max_new_tokens=40)[0]))",
         "```",
         "",
-        f"`difftx convert --from-hf {name} --out RUN` brings it back as a difftransformer run.",
+        f"`difftx convert --from-hf {shell(name)} --out RUN` brings it back as a difftransformer run.",
         "",
         "## Citation",
         "",

@@ -31,6 +31,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from difftransformer.errors import InputError
+from difftransformer.fsutil import shell
 from difftransformer.store.shards import CHUNKS_KEY, PieceReader, piece_file_name, piece_files, piece_metadata
 from difftransformer.store.weights_file import check_header
 
@@ -332,10 +333,8 @@ def _load_tensors(file: Path, expected: str | None = None) -> dict[str, torch.Te
 
 
 def _earlier(checkpoint: Path) -> str:
-    return (
-        f"move the checkpoint away (mv {checkpoint} {checkpoint.parent / ('damaged-' + checkpoint.name)}) "
-        "to use the one before it"
-    )
+    aside = checkpoint.parent / f"damaged-{checkpoint.name}"
+    return f"move the checkpoint away (mv {shell(checkpoint)} {shell(aside)}) to use the one before it"
 
 
 def is_sharded(path: str | Path) -> bool:

@@ -29,7 +29,7 @@ from difftransformer.core.attention.gqa_layout import own_layout
 from difftransformer.core.config import ModelConfig
 from difftransformer.core.model import TransformerLM
 from difftransformer.errors import ConfigError, InputError, Interrupted, TrainingDiverged
-from difftransformer.fsutil import check_new_dir, write_text_atomic
+from difftransformer.fsutil import check_new_dir, shell, write_text_atomic
 from difftransformer.progress import Progress
 from difftransformer.store.checkpoint import (
     SHARDED_TAG,
@@ -387,9 +387,9 @@ class Trainer:
                 f"the newest checkpoint of {self.run_dir}, {newest.name}, is not healthy: {unhealthy_parts(flags)} "
                 "(the run had diverged when it was written, by a version that did not check). "
                 + (
-                    f"To resume from the one before it ({earlier}), move it away: mv {newest} "
-                    f"{newest.parent / ('diverged-' + newest.name)}; or start a new run from an earlier checkpoint "
-                    "with `init_from` and a lower `lr`"
+                    f"To resume from the one before it ({earlier}), move it away: mv {shell(newest)} "
+                    f"{shell(newest.parent / ('diverged-' + newest.name))}; or start a new run from an earlier "
+                    "checkpoint with `init_from` and a lower `lr`"
                     if earlier
                     else f"It is the run's only checkpoint: start again with a lower `lr` (e.g. {self._lower_lr():g})"
                 ),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from difftransformer.apps.cli.parsing import command
+from difftransformer.fsutil import shell
 
 
 def convert_command(sub) -> None:
@@ -50,6 +51,7 @@ def _convert(args: argparse.Namespace) -> int:
     else:
         out = hf_to_run(args.from_hf, args.out, attention=args.attention)
         print(
-            f"{args.from_hf} -> {out}: a run directory; sample with: difftx generate --run {out} --prompt 'Your text'"
+            f"{args.from_hf} -> {out}: a run directory; sample with: difftx generate --run {shell(out)} --prompt "
+            "'Your text'"
         )
     return 0

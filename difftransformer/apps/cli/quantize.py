@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from difftransformer.apps.cli.parsing import at_least, command
+from difftransformer.fsutil import shell
 
 
 def quantize_command(sub) -> None:
@@ -47,5 +48,5 @@ def _quantize(args: argparse.Namespace) -> int:
     if "calibration_windows" in spec:
         calibrated = f", inputs calibrated ({spec['calibrator']}) on {spec['calibration_windows']} training windows"
     print(f"{args.run} -> {args.out}: {spec['scheme']}, {len(spec['layers'])} linear layers{calibrated}")
-    print(f"sample from it: difftx generate --run {args.out} --prompt 'The'")
+    print(f"sample from it: difftx generate --run {shell(args.out)} --prompt 'The'")
     return 0

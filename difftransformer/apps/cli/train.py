@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from difftransformer.apps.cli.parsing import command, config_flags
+from difftransformer.fsutil import shell
 
 if TYPE_CHECKING:
     from difftransformer.training.config import TrainConfig
@@ -103,7 +104,7 @@ def _train(args: argparse.Namespace) -> int:
     except Interrupted as err:
         if not main:  # the main process says it, once
             return 128 + err.signum
-        err.args = (f"{err}. Resume with: difftx train --resume {cfg.out}",)
+        err.args = (f"{err}. Resume with: difftx train --resume {shell(cfg.out)}",)
         raise
     except TrainingDiverged as err:
         return _diverged(err, cfg, main)
@@ -144,8 +145,8 @@ def _summary(trainer, rows: list[dict]) -> None:
                 file=sys.stderr,
             )
     print(
-        f"next: difftx generate --run {sample} --prompt 'Your text' (to train further: difftx train --resume "
-        f"{cfg.out} --max-steps N)"
+        f"next: difftx generate --run {shell(sample)} --prompt 'Your text' (to train further: difftx train --resume "
+        f"{shell(cfg.out)} --max-steps N)"
     )
 
 
