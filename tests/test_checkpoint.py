@@ -121,3 +121,21 @@ def test_a_checkpoint_without_a_health_record_counts_as_calm(tmp_path):
         save_checkpoint(tmp_path, step, model_state, optim_state, {}, keep_last=2)
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000004", "step_00000006"]
     assert is_calm(list_checkpoints(tmp_path)[-1])
+
+
+def test_a_swapped_optimizer_file_is_said_once(tmp_path):
+    """Another checkpoint's optimizer.safetensors under this one's state.json: one message with one piece of advice
+    (it once nested the InputError's repr in another message and repeated the advice)."""
+    import shutil
+
+    model = {"w": torch.ones(2, 2)}
+    for step, value in ((2, 1.0), (4, 2.0)):
+        optim = {"state": {"w": {"exp_avg": torch.full((2, 2), value), "step": step}}, "param_groups": [{"lr": 0.1}]}
+        save_checkpoint(tmp_path, step, model, optim, {}, keep_last=0)
+    first, second = list_checkpoints(tmp_path)
+    shutil.copy(first / "optimizer.safetensors", second / "optimizer.safetensors")
+    with pytest.raises(InputError) as caught:
+        load_checkpoint(second)
+    message = str(caught.value)
+    assert "optimizer.safetensors is not the file" in message and "InputError(" not in message
+    assert message.count("move the checkpoint away") == 1

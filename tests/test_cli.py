@@ -184,3 +184,19 @@ def test_the_printed_next_commands_work_with_a_space_in_the_path(prepared, tmp_p
     argv = shlex.split(sample)
     assert argv[:3] == ["difftx", "generate", "--run"] and argv[3] == str(run)
     assert main([*argv[1:], "--max-new-tokens", "2"]) == 0
+
+
+def test_a_refused_prompt_is_not_echoed_first(prepared, tmp_path, capsys):
+    """generate printed the prompt to stdout, then the error that refused it."""
+    from conftest import train_args
+
+    from difftransformer.apps.cli import main
+
+    run = tmp_path / "run"
+    assert main(["train", *train_args(prepared, max_steps=2, ckpt_interval=2, eval_interval=2), "--out", str(run)]) == 0
+    capsys.readouterr()
+    assert main(["generate", "--run", str(run), "--prompt", "x" * 5000, "--max-new-tokens", "2"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "exceeds the model's context" in err
+    assert main(["generate", "--run", str(run), "--prompt", "the ", "--max-new-tokens", "2"]) == 0
+    assert capsys.readouterr().out.startswith("the ")

@@ -113,3 +113,13 @@ def test_unsupported_conversions_raise_clear_errors():
     gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
     with pytest.raises(ValueError, match="cannot convert GPT2LMHeadModel"):
         from_hf(gpt2)
+
+
+@pytest.mark.parametrize("flag, named", [("attention_bias", "the attention projections"), ("mlp_bias", "the MLP")])
+def test_biases_are_named_where_they_are(flag, named):
+    """attention_bias=True was reported as an MLP bias."""
+    transformers = optional("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=4, **{flag: True})  # fmt: skip
+    with pytest.raises(ValueError, match=f"{flag} is true: {named} have biases"):
+        from_hf(transformers.LlamaForCausalLM(cfg))

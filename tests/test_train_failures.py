@@ -345,3 +345,17 @@ def test_a_first_checkpoint_the_disk_refuses_says_what_is_left(prepared, tmp_pat
         "checkpoint, was removed: start again"
     )
     assert not run.exists()
+
+
+def test_a_second_trainer_on_a_run_being_written_is_told_so(prepared, tmp_path, capsys):
+    """Two trainers started on one --out: the second was told to resume the run or remove it while the first was
+    writing it."""
+    from difftransformer.apps.cli import main
+
+    first = Trainer(small_config(prepared, tmp_path / "run"), quiet=True)  # holds the run, no checkpoint yet
+    try:
+        assert main(["train", *train_args(prepared, max_steps=2), "--out", str(tmp_path / "run")]) == 2
+    finally:
+        first.close()
+    err = capsys.readouterr().err
+    assert f"is being written by another process (pid {os.getpid()})" in err and "remove it" not in err

@@ -244,8 +244,12 @@ def from_hf(hf_model: PreTrainedModel) -> TransformerLM:
             f"head_dim {d} * num_attention_heads {hc.num_attention_heads} != hidden_size {hc.hidden_size}: "
             "TransformerLM needs head size = d_model / n_heads"
         )
-    if hc.hidden_act != "silu" or getattr(hc, "attention_bias", False) or getattr(hc, "mlp_bias", False):
-        raise InputError("only SiLU-gated MLPs without biases can be converted (hidden_act='silu', no biases)")
+    if hc.hidden_act != "silu":
+        raise InputError(f"hidden_act is {hc.hidden_act!r}: only SiLU-gated MLPs can be converted (hidden_act='silu')")
+    for flag, what in (("attention_bias", "the attention projections"), ("mlp_bias", "the MLP")):
+        if getattr(hc, flag, False):
+            raise InputError(f"{flag} is true: {what} have biases, which TransformerLM has not (the paper's "
+                             "LLaMA-style model has none); only models without biases can be converted")  # fmt: skip
     diff = arch == "DiffLlamaForCausalLM"
     theta, scaling = _rope_of(hc)
     cfg = ModelConfig(

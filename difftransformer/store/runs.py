@@ -80,6 +80,20 @@ class RunLock:
             self._file.close()
 
 
+def writer_of(run_dir: Path) -> str | None:
+    """The pid a run's lock names while another process holds it (a trainer writing the run), else None."""
+    lock = run_dir / LOCK
+    if lock.is_symlink() or not lock.is_file():
+        return None
+    with open(lock, "r+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return f.read().strip() or "unknown"
+        fcntl.flock(f, fcntl.LOCK_UN)
+    return None
+
+
 def refuse_links(run_dir: Path) -> None:
     """Refuse a run directory that a command is about to write into when one of its entries, or of its checkpoints
     folder, is a symbolic link: such a command writes and deletes only inside the run directory and never follows a

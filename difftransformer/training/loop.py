@@ -62,6 +62,7 @@ from difftransformer.store.runs import (
     refuse_links,
     refuse_quantized,
     start_checkpoint,
+    writer_of,
 )
 from difftransformer.store.tokenizer import load_tokenizer
 from difftransformer.training.config import RESUMABLE, TrainConfig, resume_config
@@ -170,6 +171,11 @@ class Trainer:
         cfg = self.cfg
         if self.world.is_main:
             check_available(parse_sinks(cfg.log_to))
+        if not resume and (pid := writer_of(self.run_dir)) is not None:  # not "remove it" while another writes it
+            raise InputError(
+                f"run {self.run_dir} is being written by another process (pid {pid}); wait for it to finish or stop "
+                "it, or choose another `out`"
+            )
         if resume:
             self._open_existing_run()
         elif self.run_dir.exists() and is_unstarted_run(self.run_dir):

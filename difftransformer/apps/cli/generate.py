@@ -48,9 +48,17 @@ def _generate(args: argparse.Namespace) -> int:
     prompt = tokenizer.encode_prompt(args.prompt)
     shown = ""
     ids: list[int] = []
+    echoed = False
+
+    def echo_prompt() -> None:  # once the prompt has passed generate's checks (an error is never preceded by it)
+        nonlocal echoed
+        if not echoed:
+            print(args.prompt, end="", flush=True)
+            echoed = True
 
     def stream(_row: int, token: int) -> None:  # print the text as it grows (a token may end mid-character)
         nonlocal shown
+        echo_prompt()
         ids.append(token)
         text = tokenizer.decode(ids)
         if not text.endswith("\ufffd"):
@@ -59,7 +67,6 @@ def _generate(args: argparse.Namespace) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    print(args.prompt, end="", flush=True)
     generate(
         model,
         prompt,
@@ -74,5 +81,6 @@ def _generate(args: argparse.Namespace) -> int:
         on_token=stream,
         truncate=args.truncate,
     )
+    echo_prompt()
     print(tokenizer.decode(ids)[len(shown) :])
     return 0
