@@ -139,3 +139,14 @@ def test_a_swapped_optimizer_file_is_said_once(tmp_path):
     message = str(caught.value)
     assert "optimizer.safetensors is not the file" in message and "InputError(" not in message
     assert message.count("move the checkpoint away") == 1
+
+
+def test_loaded_tensors_do_not_keep_their_file_mapped(tmp_path):
+    """After a resume the optimizer held tensors that mapped optimizer.safetensors: once keep-last deleted the
+    checkpoint its disk space stayed in use until the process ended."""
+    optim = {"state": {"w": {"exp_avg": torch.randn(256, 256), "step": 1}}, "param_groups": [{"lr": 0.1}]}
+    path = save_checkpoint(tmp_path, 1, {"w": torch.randn(256, 256)}, optim, {}, keep_last=0)
+    model, optim_sd, _ = load_checkpoint(path)
+    maps = open(f"/proc/{os.getpid()}/maps").read()
+    assert str(path) not in maps, "a checkpoint file is still mapped"
+    assert model["w"].shape == (256, 256) and optim_sd["state"]["w"]["exp_avg"].shape == (256, 256)

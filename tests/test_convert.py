@@ -298,3 +298,25 @@ def test_hf_weights_missing_or_not_finite_are_refused(prepared, tmp_path, capsys
     assert main(["convert", "--from-hf", str(hf), "--out", str(tmp_path / "b")]) == 2
     assert f"{name} holds values that are not finite" in capsys.readouterr().err
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_an_hf_directorys_own_code_is_never_run(prepared, tmp_path, capsys):
+    """A config whose model_type is unknown and whose auto_map names code in the directory: transformers is called
+    with trust_remote_code=False, so the code is not run and nothing asks on the terminal; a clear error, exit 2."""
+    import json
+    import subprocess
+    import sys
+
+    hf = _hf_dir(prepared, tmp_path)
+    marker = tmp_path / "the directory's code ran"
+    (hf / "modeling_custom.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n")
+    config = json.loads((hf / "config.json").read_text())
+    config.update(model_type="custom_diff", auto_map={"AutoModelForCausalLM": "modeling_custom.CustomModel",
+                                                      "AutoConfig": "modeling_custom.CustomConfig"})  # fmt: skip
+    (hf / "config.json").write_text(json.dumps(config))
+    proc = subprocess.run(
+        [sys.executable, "-m", "difftransformer", "convert", "--from-hf", str(hf), "--out", str(tmp_path / "back")],
+        stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "transformers could not load" in proc.stderr and not marker.exists()

@@ -319,7 +319,9 @@ def _load_tensors(file: Path, expected: str | None = None) -> dict[str, torch.Te
     try:
         with safe_open(file, "pt") as f:
             metadata = f.metadata() or {}
-            tensors = {name: f.get_tensor(name) for name in f.keys()}
+            # copies: safetensors' tensors map the file, which would stay mapped (its disk space not freed once
+            # keep-last deletes it) for as long as the optimizer holds them
+            tensors = {name: f.get_tensor(name).clone() for name in f.keys()}
     except Exception as err:  # safetensors parses untrusted bytes: any failure means a damaged file
         raise InputError(f"{file} is corrupt or truncated ({err}); {_earlier(file.parent)}") from None
     if "sha256" in metadata and metadata["sha256"] != tensors_digest(tensors):
