@@ -75,7 +75,7 @@ def write_atomic(path: str | Path, write: Callable[[Path], object]) -> None:
     if not path.parent.is_dir():  # named here: the write's own error would name the temporary file
         raise FileNotFoundError(f"the directory {path.parent} of {path} does not exist: create it or choose another")
     fd, name = tempfile.mkstemp(prefix=f".{path.stem}.tmp-", suffix=path.suffix, dir=path.parent)  # a new file
-    os.fchmod(fd, 0o666 & ~_umask())  # as an ordinary new file would be (mkstemp makes it private)
+    os.fchmod(fd, 0o666 & ~_UMASK)  # as an ordinary new file would be (mkstemp makes it private)
     os.close(fd)
     tmp = Path(name)
     try:
@@ -92,10 +92,13 @@ def write_atomic(path: str | Path, write: Callable[[Path], object]) -> None:
         raise OSError(number, f"could not write {path} ({os.strerror(number)}); {kept}") from err
 
 
-def _umask() -> int:
+def _read_umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
+
+
+_UMASK = _read_umask()  # read once, at import: setting it is process-wide, and another thread may be creating files
 
 
 def write_text_atomic(path: str | Path, text: str) -> None:

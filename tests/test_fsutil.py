@@ -143,3 +143,15 @@ def test_stale_temporaries_of_dead_processes_are_removed_and_live_ones_kept(tmp_
     removed = remove_stale_temporaries(tmp_path, ".run.tmp-")
     assert [p.name for p in removed] == [f".run.tmp-{dead_pid}"]
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([f".run.tmp-{os.getppid()}", ".run.tmp-notapid"])
+
+
+def test_an_atomic_write_makes_an_ordinary_file(tmp_path):
+    """Its temporary is made with exclusive creation (mkstemp), which makes it private (0600): the written file has
+    the mode a new file gets from the process's umask instead, and no temporary stays."""
+    from difftransformer import fsutil
+
+    write_text_atomic(tmp_path / "a.json", "{}")
+    (tmp_path / "b.json").write_text("{}")  # an ordinary new file
+    assert (tmp_path / "a.json").stat().st_mode & 0o777 == (tmp_path / "b.json").stat().st_mode & 0o777
+    assert (tmp_path / "a.json").stat().st_mode & 0o777 == 0o666 & ~fsutil._UMASK
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.json", "b.json"]
