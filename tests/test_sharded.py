@@ -210,3 +210,20 @@ def _close(a: tuple[dict, dict], b: tuple[dict, dict]) -> None:
     for x, y in zip(a, b, strict=True):
         for name in x:
             torch.testing.assert_close(x[name], y[name], rtol=1e-5, atol=1e-6, msg=str(name))
+
+
+def test_overlapping_pieces_are_refused_even_when_their_count_adds_up(tmp_path):
+    """Two pieces that overlap and leave a gap of the same size would fill the count: the gap's values would be
+    whatever memory held (a crafted or mixed set of files)."""
+    from safetensors.torch import save_file
+
+    from difftransformer.store.shards import piece_metadata
+
+    full = torch.arange(8.0).reshape(4, 2)
+    for rank, start in enumerate((0, 1)):  # rows 0-1 and 1-2: row 3 is missing, row 1 twice
+        meta = {"chunks": piece_metadata({"w": ((4, 2), (start, 0))})}
+        save_file(
+            {"w": full[start : start + 2].contiguous()}, tmp_path / f"model-{rank:05d}-of-00002.safetensors", meta
+        )
+    with pytest.raises(InputError, match="two pieces of w overlap"):
+        PieceReader(piece_files(tmp_path, "model"))

@@ -148,17 +148,21 @@ _DTYPES = {
 
 
 def _check_cover(name: str, pieces: list[Piece]) -> None:
-    """The pieces of a tensor lie inside its shape and together hold as many elements as it has (each once)."""
+    """The pieces of a tensor lie inside its shape, no two distinct ones overlap (the same piece twice is allowed: a
+    tensor every process holds alike), and together they hold as many elements as it has: so they cover it."""
     shape = pieces[0].shape
-    total = 0
-    seen = set()
+    boxes: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
     for piece in pieces:
         box = zip(piece.offset, piece.size, shape, strict=False)  # lengths differ only in a damaged record
         if piece.shape != shape or len(piece.offset) != len(shape) or any(o < 0 or o + n > s for o, n, s in box):
             raise InputError(f"a piece of {name} in {piece.file} lies outside its shape {shape}: damaged or mixed")
-        if (piece.offset, piece.size) not in seen:
-            seen.add((piece.offset, piece.size))
-            total += _numel(piece.size)
+        if (piece.offset, piece.size) in boxes or _numel(piece.size) == 0:  # a repeat, or a process holding none
+            continue
+        for offset, size in boxes:
+            if all(a < b + m and b < a + n for a, n, b, m in zip(piece.offset, piece.size, offset, size, strict=True)):
+                raise InputError(f"two pieces of {name} overlap (one in {piece.file}): damaged or mixed files")
+        boxes.append((piece.offset, piece.size))
+    total = sum(_numel(size) for _, size in boxes)
     if total != _numel(shape):
         raise InputError(
             f"the pieces of {name} hold {total} of its {_numel(shape)} values: a process's file is missing or damaged"
