@@ -332,3 +332,52 @@ def test_a_term_64_below_its_row_s_largest_is_zero_not_subnormal(kernel):
     for name, t in zip(("out", "dq", "dk", "dv", "dlambda"), (out, *grads), strict=True):
         assert not ((t != 0) & (t.abs() < tiny)).any(), f"{name} holds subnormal values"
     assert (grads[2][0, 0, 5:] == 0).all()  # the dropped keys get no value gradient at all
+
+
+def test_the_build_directory_is_the_torch_installations_own(monkeypatch, tmp_path):
+    """Two environments with the same torch version, each its own installation: two directories (one shared one was
+    rebuilt by ninja at every switch, its build file recording the other's include and library paths)."""
+    monkeypatch.setenv("DIFFTX_CACHE", str(tmp_path))
+    here = cpu_kernel.build_directory()
+    monkeypatch.setattr(torch, "__file__", str(tmp_path / "other-venv" / "torch" / "__init__.py"))
+    assert cpu_kernel.build_directory() != here and cpu_kernel.build_directory().parent == here.parent
+
+
+def test_a_rebuild_is_said_in_one_line(monkeypatch, tmp_path, capsys):
+    from torch.utils import cpp_extension
+
+    monkeypatch.setattr(cpu_kernel, "_register_fake", lambda: None)
+    monkeypatch.setenv("DIFFTX_CACHE", str(tmp_path))
+    library = cpu_kernel.build_directory() / "difftx_diff_block.so"
+    library.parent.mkdir(parents=True)
+    library.write_bytes(b"built")
+    os.utime(library, (1, 1))
+    monkeypatch.setattr(cpp_extension, "load", lambda **kwargs: None)  # ninja: up to date
+    assert cpu_kernel._load() and capsys.readouterr().err == ""
+    monkeypatch.setattr(cpp_extension, "load", lambda **kwargs: library.write_bytes(b"again"))  # ninja rebuilt it
+    assert cpu_kernel._load()
+    assert capsys.readouterr().err == (
+        f"difftransformer: rebuilt the fused CPU attention kernel in {library.parent} (ninja found its build changed)\n"
+    )
+
+
+@pytest.mark.slow
+def test_switching_between_two_torch_installations_builds_each_once(tmp_path):
+    """The same torch seen from a second folder (a link to it: another environment's copy, to ninja) and the first
+    one in turn: each builds once, then neither builds again."""
+    import subprocess
+    import sys
+
+    other = tmp_path / "site"
+    other.mkdir()
+    (other / "torch").symlink_to(os.path.dirname(torch.__file__))
+    load = "from difftransformer.core.attention import cpu_kernel; assert cpu_kernel.available()"
+    env = {**os.environ, "DIFFTX_CACHE": str(tmp_path / "cache")}
+    said = []
+    for site in (None, other, None, other):
+        run_env = {**env, "PYTHONPATH": os.pathsep.join(filter(None, [str(site or ""), env.get("PYTHONPATH")]))}
+        proc = subprocess.run([sys.executable, "-c", load], env=run_env, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        said.append("building" in proc.stderr or "rebuilt" in proc.stderr)
+    assert said == [True, True, False, False]
+    assert len(list((tmp_path / "cache" / "kernels").iterdir())) == 2

@@ -7,8 +7,9 @@ backwards, their row dots and the lambda gradient) on a buffer that stays in cac
 Installation: nothing to do. The source ships inside the package (wheel or sdist), and the first call compiles it
 with PyTorch's ``torch.utils.cpp_extension`` (a C++ compiler and ``ninja`` are needed; ``make`` builds it once when
 it creates the environment). The build lands in ``$DIFFTX_CACHE`` (default ``~/.cache/difftransformer``) under a
-name that includes the torch version, the source's hash and the CPU's instruction sets (it is compiled for this
-CPU), so a changed source, torch or machine rebuilds it. When it cannot be built (no compiler, no ninja, an
+name that includes the torch version, a hash of the source, the CPU's instruction sets (it is compiled for this CPU)
+and the torch installation's folder, so a changed source, torch or machine builds it anew, and each environment
+keeps its own build (switching between them rebuilds nothing). When it cannot be built (no compiler, no ninja, an
 unsupported platform) a warning names the reason once and the block method runs as PyTorch operations, exact
 as well and slower. ``DIFFTX_CPU_KERNEL=0`` turns the kernel off.
 """
@@ -45,9 +46,13 @@ def available() -> bool:
 
 
 def build_directory() -> Path:
-    """Where this machine's build lives: keyed by torch version, source hash and the CPU's instruction sets."""
+    """Where this machine's build lives: keyed by the source, the flags, the CPU's instruction sets and the torch
+    installation (its version, build and folder: ninja's build file records the folder's include and library paths,
+    so two environments sharing one directory rebuilt it at every switch)."""
     root = Path(os.environ.get("DIFFTX_CACHE") or Path.home() / ".cache" / "difftransformer")
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(_flags()).encode() + _cpu_flags().encode()).hexdigest()[:16]
+    installation = f"{os.path.dirname(os.path.abspath(torch.__file__))}|{torch.version.git_version}"
+    parts = [SOURCE.read_bytes(), " ".join(_flags()).encode(), _cpu_flags().encode(), installation.encode()]
+    key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
     return root / "kernels" / f"torch-{torch.__version__}-py{sys.version_info[0]}{sys.version_info[1]}-{key}"
 
 
@@ -77,10 +82,10 @@ def _load() -> bool:
 
     _put_ninja_on_path()
     directory = build_directory()
-    built = any(directory.glob("*.so"))
-    if not built:
-        print("difftransformer: building the fused CPU attention kernel (once per machine and torch version, under a "
-              f"minute) in {directory}", file=sys.stderr)  # fmt: skip
+    before = _built(directory)
+    if before is None:
+        print("difftransformer: building the fused CPU attention kernel (once per machine and torch installation, "
+              f"under a minute) in {directory}", file=sys.stderr)  # fmt: skip
     try:
         directory.mkdir(parents=True, exist_ok=True)
         cpp_extension.load(
@@ -101,8 +106,17 @@ def _load() -> bool:
             stacklevel=3,
         )
         return False
+    if before is not None and _built(directory) != before:
+        print(f"difftransformer: rebuilt the fused CPU attention kernel in {directory} (ninja found its build changed)",
+              file=sys.stderr)  # fmt: skip
     _register_fake()
     return True
+
+
+def _built(directory: Path) -> float | None:
+    """When the built library was written (None: not built yet)."""
+    times = [p.stat().st_mtime for p in directory.glob("*.so")]
+    return max(times) if times else None
 
 
 def _source_copy(directory: Path) -> Path:
