@@ -22,6 +22,8 @@ def test_demo_trains_both_and_writes_a_report(capsys, tmp_path, prepared):
     )
     out, err = capsys.readouterr()
     assert "tiny DIFF: 1,345,984 parameters (4 differential heads); tiny standard: 1,345,408 (8 heads)" in out
+    assert "difference +576 = 6 layers x 6 x head size 16 (the lambda vectors and the per-head norm)" in out
+    assert "of its attention weights are negative" in out
     assert "val loss DIFF" in out and "val loss std" in out
     assert "about 6 minutes on 2 idle CPU cores" in out and "lower is better" in out  # how long, what it means
     assert "the committed study (`difftx repro lm --scale cpu" in out  # the numbers to read this one against
@@ -46,6 +48,9 @@ def test_demo_trains_both_and_writes_a_report(capsys, tmp_path, prepared):
     assert "final validation loss" in (report / "report.md").read_text()
     run_demo(steps=4, eval_every=4, seq_len=64, batch_size=8, out=tmp_path / "demo", data=prepared, sample_tokens=4)
     assert (tmp_path / "demo-2" / "report.md").is_file()  # the first report is kept
+    assert f"note: {tmp_path / 'demo'} holds an earlier demo, kept as it is; this one writes {tmp_path / 'demo-2'}" in (
+        capsys.readouterr().err
+    )
 
 
 @pytest.mark.slow

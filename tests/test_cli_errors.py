@@ -149,7 +149,11 @@ CASES = [
     (TRAIN + " --model '{\"rope_theta\": -5}'", "rope_theta (in --model) must be a finite number in (0, inf)"),
     (TRAIN + " --preset huge", "argument --preset: invalid choice: 'huge' (choose from 'tiny', 'small'"),
     (TRAIN + " --attention flash", "argument --attention: invalid choice: 'flash'"),
-    ("train --data {w}/data --out {w}/run", "run directory {w}/run already exists and is not empty"),
+    (
+        "train --data {w}/data --out {w}/run",
+        "run directory {w}/run holds a run (at step 4); to train it further: difftx "
+        "train --resume {w}/run --max-steps N; to start another run, choose another --out",
+    ),
     ("train --data {w}/data --out {w}/taken", "run directory {w}/taken already exists and is not empty"),
     (FROM + " {w}/nothing", "--init-from {w}/nothing is not a run directory (it does not exist or is a file)"),
     (FROM + " {w}/small.txt", "--init-from {w}/small.txt is not a run directory (it does not exist or is a file)"),

@@ -105,7 +105,7 @@ def test_diff_from_llama_head_mapping():
 
 
 @pytest.mark.slow
-def test_llama_converted_to_diff_starts_close_and_trains(prepared, tmp_path):
+def test_llama_converted_to_diff_starts_close_and_trains(prepared, tmp_path, capsys):
     """A trained standard model -> Llama directory -> DIFF run: its loss starts near the original's, then training
     from it (--init-from) lowers it."""
     import torch.nn.functional as F
@@ -126,10 +126,12 @@ def test_llama_converted_to_diff_starts_close_and_trains(prepared, tmp_path):
     )
     train(cfg, quiet=True)
     assert main(["convert", "--run", str(tmp_path / "std"), "--out", str(tmp_path / "llama")]) == 0
+    capsys.readouterr()
     assert (
         main(["convert", "--from-hf", str(tmp_path / "llama"), "--attention", "diff", "--out", str(tmp_path / "diff0")])
         == 0
     )
+    assert "a DIFF model built from a standard one: an approximation, near its loss" in capsys.readouterr().out
     std, _ = load_run(tmp_path / "std")
     diff, _ = load_run(tmp_path / "diff0")
     assert diff.config.attention == "diff"

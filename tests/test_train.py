@@ -114,7 +114,9 @@ def test_gradient_accumulation_matches_one_big_batch(prepared, tmp_path):
 def test_bad_inputs_are_refused_and_nothing_is_overwritten(prepared, tmp_path):
     train(small_config(prepared, tmp_path / "run", max_steps=4), quiet=True)
     before = (tmp_path / "run" / "metrics.jsonl").read_text()
-    with pytest.raises(FileExistsError, match="run directory .* already exists"):
+    with pytest.raises(
+        FileExistsError, match=r"run directory .* holds a run \(at step 4\); to train it further: difftx train --resume"
+    ):
         train(small_config(prepared, tmp_path / "run", max_steps=4), quiet=True)
     assert (tmp_path / "run" / "metrics.jsonl").read_text() == before
     with pytest.raises(FileNotFoundError, match="does not exist; create it with 'difftx data prepare'"):

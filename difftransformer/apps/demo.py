@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -104,6 +105,8 @@ def run_demo(
 ) -> dict:
     data_dir = demo_data(Path(data))
     run_dir = free_run_dir(Path(out))
+    if run_dir != Path(out):
+        print(f"note: {out} holds an earlier demo, kept as it is; this one writes {run_dir}", file=sys.stderr)
     trainers = {}
     progress, losses = Progress(steps, "demo, DIFF and standard in turn"), {}
 
@@ -120,7 +123,8 @@ def run_demo(
     vocab, width = diff.config.vocab_size, diff.config.d_model
     print(
         f"tiny DIFF: {n_diff:,} parameters ({diff.config.attention_heads} differential heads); tiny standard: "
-        f"{n_std:,} ({std.config.n_heads} heads); difference {n_diff - n_std:+,} = 6 * head size per layer"
+        f"{n_std:,} ({std.config.n_heads} heads); difference {n_diff - n_std:+,} = {diff.config.n_layers} layers x 6 x "
+        f"head size {diff.config.attention_head_dim} (the lambda vectors and the per-head norm)"
     )
     print(
         f"(`difftx presets` counts {vocab - 1} tokens; the byte tokenizer has {vocab}, the 256 bytes and an "
@@ -178,7 +182,8 @@ def run_demo(
     props = map_properties(diff, probe)
     print(
         f"\ntrained DIFF, last layer: rows of the differential map sum to 1 - lambda = {1 - props['lambda']:.4f} "
-        f"(max deviation {props['row_sum_error']:.1e}); {props['negative_share']:.1%} of its weights are negative"
+        f"(max deviation {props['row_sum_error']:.1e}); {props['negative_share']:.1%} of its attention weights are "
+        "negative"
     )
     summary = {
         "steps": steps,

@@ -181,7 +181,13 @@ class Trainer:
         elif self.run_dir.exists() and is_unstarted_run(self.run_dir):
             raise FileExistsError(
                 f"run directory {self.run_dir} holds a run that stopped before its first checkpoint; resume it "
-                "(it starts again from step 0) or remove it"
+                f"(difftx train --resume {shell(self.run_dir)}: it starts again from step 0) or remove it"
+            )
+        elif (newest := list_checkpoints(self.run_dir)) and (self.run_dir / TRAIN_CONFIG).is_file():
+            step = int(newest[-1].name.removeprefix("step_"))
+            raise FileExistsError(
+                f"run directory {self.run_dir} holds a run (at step {step}); to train it further: difftx train "
+                f"--resume {shell(self.run_dir)} --max-steps N; to start another run, choose another `out`"
             )
         else:
             check_new_dir(self.run_dir, "run directory")

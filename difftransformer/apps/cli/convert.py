@@ -20,7 +20,12 @@ def convert_command(sub) -> None:
     conv.add_argument("--run", help="the run directory to convert")
     conv.add_argument("--to", choices=["hf"], default="hf", help="the format of --run's export")
     conv.add_argument("--from-hf", help="a DiffLlama or Llama save_pretrained directory")
-    conv.add_argument("--attention", choices=["diff"], help="with --from-hf of a Llama: build a DIFF model from it")
+    conv.add_argument(
+        "--attention",
+        choices=["diff"],
+        help="with --from-hf of a Llama: build a DIFF model from it (approximate: it starts near the Llama's loss, "
+        "to fine-tune with difftx train --init-from)",
+    )
     conv.add_argument("--out", required=True, help="the new directory (a Hugging Face directory, or a run)")
     conv.add_argument("--license", help="--to hf: the license in the model card's front matter (a Hub id, e.g. mit)")
     conv.add_argument(
@@ -50,8 +55,14 @@ def _convert(args: argparse.Namespace) -> int:
         )
     else:
         out = hf_to_run(args.from_hf, args.out, attention=args.attention)
+        approximate = (
+            " (a DIFF model built from a standard one: an approximation, near its loss, not the same function; "
+            f"fine-tune it with: difftx train --init-from {shell(out)} --data DATA --out RUN)"
+            if args.attention == "diff"
+            else ""
+        )
         print(
-            f"{args.from_hf} -> {out}: a run directory; sample with: difftx generate --run {shell(out)} --prompt "
-            "'Your text'"
+            f"{args.from_hf} -> {out}: a run directory{approximate}; sample with: difftx generate --run {shell(out)} "
+            "--prompt 'Your text'"
         )
     return 0
