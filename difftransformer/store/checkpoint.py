@@ -25,13 +25,14 @@ import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from difftransformer.errors import InputError
-from difftransformer.fsutil import shell
+from difftransformer.fsutil import io_errno, shell
 from difftransformer.store.shards import CHUNKS_KEY, PieceReader, piece_file_name, piece_files, piece_metadata
 from difftransformer.store.weights_file import check_header
 
@@ -55,15 +56,17 @@ def _fsync_file(path: Path) -> None:
         os.fsync(f.fileno())
 
 
-def flatten_optimizer(optim_state: dict) -> tuple[dict[str, torch.Tensor], dict]:
-    """Split a name-keyed optimizer state dict (torch.distributed.checkpoint's format) into tensors and JSON."""
+def flatten_optimizer(optim_state: dict, keep: Callable[[torch.Tensor], Any] | None = None) -> tuple[dict, dict]:
+    """Split a name-keyed optimizer state dict (torch.distributed.checkpoint's format) into tensors keyed
+    ``<param name>/<state name>`` and JSON. ``keep(tensor)`` gives what is stored of each tensor (default: a CPU copy;
+    None leaves it out: another process stores it)."""
     tensors, scalars = {}, {}
     for name, state in optim_state["state"].items():
         for key, value in state.items():
-            if isinstance(value, torch.Tensor):
-                tensors[f"{name}/{key}"] = value.detach().contiguous().cpu()
-            else:
+            if not isinstance(value, torch.Tensor):
                 scalars[f"{name}/{key}"] = value
+            elif (kept := value.detach().contiguous().cpu() if keep is None else keep(value)) is not None:
+                tensors[f"{name}/{key}"] = kept
     return tensors, {"param_groups": optim_state["param_groups"], "scalars": scalars}
 
 
@@ -267,8 +270,7 @@ def _save_tensors(tensors: dict[str, torch.Tensor], path: Path, extra: dict[str,
     try:
         save_file(tensors, path, metadata=metadata)
     except SafetensorError as err:  # an I/O failure inside safetensors: make it the OSError it is
-        code = re.search(r"os error (\d+)", str(err))
-        number = int(code.group(1)) if code else errno.EIO
+        number = io_errno(err) or errno.EIO
         raise OSError(number, os.strerror(number), str(path)) from err
     return metadata["sha256"]
 

@@ -49,26 +49,11 @@ class RunLock:
 
     def __init__(self, run_dir: Path) -> None:
         self.path = run_dir / LOCK
-        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-        try:
-            fd = os.open(self.path, flags, 0o644)
-        except OSError as err:
-            if err.errno == errno.ELOOP:
-                raise InputError(_link_message(self.path)) from None
-            raise
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            os.close(fd)
-            raise InputError(f"{self.path} is not a regular file: remove it (it is the run's lock, made again)")
-        self._file = os.fdopen(fd, "r+")
-        try:
-            fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            self._file.seek(0)
-            holder = self._file.read().strip() or "unknown"
+        self._file = _open_lock(self.path, create=True)
+        holder = _take(self._file)
+        if holder is not None:
             self._file.close()
-            raise InputError(
-                f"run {run_dir} is being written by another process (pid {holder}); wait for it to finish or stop it"
-            ) from None
+            raise InputError(being_written(run_dir, holder))
         self._file.seek(0)
         self._file.truncate()
         self._file.write(str(os.getpid()))
@@ -82,15 +67,47 @@ class RunLock:
 
 def writer_of(run_dir: Path) -> str | None:
     """The pid a run's lock names while another process holds it (a trainer writing the run), else None."""
-    lock = run_dir / LOCK
-    if lock.is_symlink() or not lock.is_file():
+    lock = _open_lock(run_dir / LOCK, create=False)
+    if lock is None:
         return None
-    with open(lock, "r+") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return f.read().strip() or "unknown"
-        fcntl.flock(f, fcntl.LOCK_UN)
+    with lock:
+        holder = _take(lock)
+        if holder is None:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+    return holder
+
+
+def being_written(run_dir: Path, pid: str) -> str:
+    return f"run {run_dir} is being written by another process (pid {pid}); wait for it to finish or stop it"
+
+
+def _open_lock(path: Path, create: bool):
+    """A run's lock file, opened without following a link and only if it is a regular file (None when it is not there
+    and ``create`` is false)."""
+    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | (os.O_CREAT if create else 0)
+    try:
+        fd = os.open(path, flags, 0o644)
+    except FileNotFoundError:
+        if create:
+            raise
+        return None
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            raise InputError(_link_message(path)) from None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise InputError(f"{path} is not a regular file: remove it (it is the run's lock, made again)")
+    return os.fdopen(fd, "r+")
+
+
+def _take(lock) -> str | None:
+    """Lock ``lock`` exclusively without waiting: None when this process holds it now, else the pid its holder wrote."""
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        return lock.read().strip() or "unknown"
     return None
 
 

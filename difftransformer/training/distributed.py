@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor
 
 from difftransformer.devices import resolve_device
 from difftransformer.errors import InputError
+from difftransformer.store.checkpoint import flatten_optimizer, unflatten_optimizer
 
 PARALLEL_MODES = ("none", "ddp", "fsdp")
 
@@ -192,15 +193,8 @@ def sharded_pieces(model: nn.Module, optimizer: torch.optim.Optimizer, rank: int
     model_sd = get_model_state_dict(inner, options=_SHARDED)
     optim_sd = get_optimizer_state_dict(inner, optimizer, options=_SHARDED)
     model_pieces = {name: p for name, t in model_sd.items() if (p := _piece(t, rank)) is not None}
-    optim_pieces, scalars = {}, {}
-    for name, state in optim_sd["state"].items():
-        for key, value in state.items():
-            if isinstance(value, torch.Tensor):
-                if (p := _piece(value, rank)) is not None:
-                    optim_pieces[f"{name}/{key}"] = p
-            else:
-                scalars[f"{name}/{key}"] = value
-    return model_pieces, optim_pieces, {"param_groups": optim_sd["param_groups"], "scalars": scalars}
+    optim_pieces, optim_meta = flatten_optimizer(optim_sd, lambda tensor: _piece(tensor, rank))
+    return model_pieces, optim_pieces, optim_meta
 
 
 def load_pieces(model: nn.Module, optimizer: torch.optim.Optimizer, model_reader, optim_reader, optim_meta: dict):
@@ -211,15 +205,10 @@ def load_pieces(model: nn.Module, optimizer: torch.optim.Optimizer, model_reader
     model_sd = get_model_state_dict(inner, options=_SHARDED)
     optim_sd = get_optimizer_state_dict(inner, optimizer, options=_SHARDED)  # the state made where there is none
     model_sd = {name: _filled(t, model_reader, name) for name, t in model_sd.items()}
-    state = {}
-    for name, entries in optim_sd["state"].items():
-        state[name] = {key: _filled(value, optim_reader, f"{name}/{key}") for key, value in entries.items()}
-    for flat, value in optim_meta["scalars"].items():
-        name, key = flat.rsplit("/", 1)
-        state.setdefault(name, {})[key] = value
+    shards, _ = flatten_optimizer(optim_sd, lambda tensor: tensor)  # this process's tensors, as they are
+    saved = unflatten_optimizer({flat: _filled(t, optim_reader, flat) for flat, t in shards.items()}, optim_meta)
     options = StateDictOptions(full_state_dict=False, strict=True)
     set_model_state_dict(inner, model_sd, options=options)
-    saved = {"state": state, "param_groups": optim_meta["param_groups"]}
     set_optimizer_state_dict(inner, optimizer, _for_this_optimizer(optimizer, saved), options=options)
 
 

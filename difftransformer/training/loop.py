@@ -55,6 +55,7 @@ from difftransformer.store.runs import (
     MODEL_CONFIG,
     TRAIN_CONFIG,
     RunLock,
+    being_written,
     check_recorded,
     check_weights,
     is_unstarted_run,
@@ -172,10 +173,7 @@ class Trainer:
         if self.world.is_main:
             check_available(parse_sinks(cfg.log_to))
         if not resume and (pid := writer_of(self.run_dir)) is not None:  # not "remove it" while another writes it
-            raise InputError(
-                f"run {self.run_dir} is being written by another process (pid {pid}); wait for it to finish or stop "
-                "it, or choose another `out`"
-            )
+            raise InputError(f"{being_written(self.run_dir, pid)}, or choose another `out`")
         if resume:
             self._open_existing_run()
         elif self.run_dir.exists() and is_unstarted_run(self.run_dir):

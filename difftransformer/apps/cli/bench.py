@@ -13,12 +13,9 @@ def _bench(args: argparse.Namespace) -> int:
     import torch
 
     from difftransformer.apps import bench
-    from difftransformer.devices import device_problem, resolve_device
-    from difftransformer.errors import ConfigError
+    from difftransformer.devices import resolve_device
 
-    if (problem := device_problem(getattr(args, "device", "cpu"))) is not None:
-        raise ConfigError("bench", "device", problem)
-    if getattr(args, "device", "cpu") != "cpu" and (device := resolve_device(args.device)).type == "cuda":
+    if (device := resolve_device(getattr(args, "device", "cpu"))).type == "cuda":  # refuses a device not here
         torch.cuda.set_device(device)  # every tensor and synchronisation of the benchmark on that GPU
 
     threads = torch.get_num_threads()
