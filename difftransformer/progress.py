@@ -16,6 +16,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 TAU_S = 20.0  # the smoothing window of the throughput: older intervals weigh exp(-age / TAU_S)
+SLOW = 2.5  # a pace this many times below the expected one is named on the line ...
+SLOW_FOR_S = 30.0  # ... once it has lasted this long (a validation pause recovers sooner)
 
 
 def duration(seconds: float) -> str:
@@ -57,8 +59,14 @@ class Progress:
         enabled: bool = True,
         stream=None,
         every_s: float = 30.0,
+        expected: tuple[float, str] | None = None,
     ) -> None:
+        """``expected``: (units/s, what it is), a pace this work should reach here (e.g. measured on a reference
+        machine); the line says when the pace stays far below it, or below this line's own best pace."""
         self.total, self.label, self.unit, self.enabled = max(1, total), label, unit, enabled
+        self.expected = expected
+        self._best_rate = None  # the fastest smoothed pace once the smoothing has settled
+        self._slow_since = None
         self.stream = sys.stderr if stream is None else stream
         self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
         self.every_s = 0.25 if self.tty else every_s
@@ -103,6 +111,8 @@ class Progress:
             parts.append(f"{rate:.2f} {self.unit}/{per}")
         if note:
             parts.append(note)
+        if slow := self._slow_note(now):
+            parts.append(slow)
         pace = (done - self._first_done) / (now - self.start) if now > self.start else 0.0
         left = (self.total - done) / pace if pace > 0 else math.inf
         parts.append(f"{duration(now - self.start)} elapsed, {duration(left) if done < self.total else '0s'} left")
@@ -110,6 +120,26 @@ class Progress:
         if now - self._shown_at >= self.every_s or (done >= self.total and self._shown_done != done):
             self._show()
             self._shown_at, self._shown_done = now, done
+
+    def _slow_note(self, now: float) -> str:
+        """'pace 3.1x below ...' when the smoothed pace has stayed SLOW times below the expected one (or this line's
+        own best) for SLOW_FOR_S seconds; else ''."""
+        if self._rate is None:
+            return ""
+        if now - self.start >= TAU_S:
+            self._best_rate = max(self._best_rate or 0.0, self._rate)
+        references = [(self._best_rate, "this run's best")] if self._best_rate else []
+        references += [self.expected] if self.expected else []
+        if not references:
+            return ""
+        rate, what = max(references)
+        if self._rate * SLOW > rate:
+            self._slow_since = None
+            return ""
+        self._slow_since = now if self._slow_since is None else self._slow_since
+        if now - self._slow_since < SLOW_FOR_S:
+            return ""
+        return f"pace {rate / self._rate:.1f}x below {what}: other programs may be using the cores"
 
     def _show(self) -> None:
         if self.tty:

@@ -254,3 +254,18 @@ def test_a_t_beyond_the_memory_budget_is_a_result_not_a_crash():
     job = dict(kind="prefill", model="standard", preset="tiny", seq=4096, batch=64, repeats=1, threads=1)
     entry = _measure(job, budget=1 << 30)
     assert entry == {"fits": False, "error": "out of memory within the 1.0 GiB budget"}
+
+
+def test_a_context_figure_names_the_machine_that_measured_not_the_one_that_draws(tmp_path, monkeypatch):
+    """#48: committed figures measured on a Xeon were titled with the EPYC that drew them again."""
+    from difftransformer.apps import bench_context, figures
+
+    titles = []
+    monkeypatch.setattr(figures, "finish", lambda fig, path, title, **kw: titles.append(title))
+    result = {
+        "machine": {"cpu": "Some Other CPU", "threads": 1},
+        "shapes": {"preset": "tiny", "batch": 1},
+        "rows": [{"kind": "train", "model": "diff", "seq": 1024, "seconds": [1.0], "peak_rss": 2**30}],
+    }
+    bench_context.figure(result, tmp_path / "x.png")
+    assert titles == ["Long context, preset tiny, batch 1, Some Other CPU, 1 thread"]

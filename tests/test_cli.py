@@ -26,6 +26,10 @@ def test_demo_trains_both_and_writes_a_report(capsys, tmp_path, prepared):
     assert "of its attention weights are negative" in out
     assert "val loss DIFF" in out and "val loss std" in out
     assert "about 6 minutes on 2 idle CPU cores" in out and "lower is better" in out  # how long, what it means
+    assert re.search(r"one step of each model in turn, \d+ threads? \(OpenMP [a-z ,]+; --threads N sets the count\)",
+                     out)  # fmt: skip
+    assert "openmp_wait_policy" in result
+    assert "the DIFF model is the paper's V1 as published" in out  # which DIFF, before its numbers
     assert "the committed study (`difftx repro lm --scale cpu" in out  # the numbers to read this one against
     assert "demo, DIFF and standard in turn  8/8 steps" in err  # the live line counts each model's steps
     assert "the byte tokenizer has 257, the 256 bytes and an end-of-document token" in out  # vs difftx presets

@@ -26,9 +26,9 @@ def _shown(text: str) -> str:
 
 
 def test_every_command_is_listed():
-    assert len(COMMANDS) == 20
+    assert len(COMMANDS) == 21
     assert {path for path in COMMANDS if path[0] in ("bench", "analyze")} == {
-        ("bench", mode) for mode in ("attention", "train", "decode", "quantized", "threads", "context")
+        ("bench", mode) for mode in ("attention", "train", "decode", "quantized", "threads", "load", "context")
     } | {("analyze", "attention"), ("analyze", "outliers")}
 
 

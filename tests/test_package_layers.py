@@ -1,6 +1,6 @@
 """The package's layers: imports run one way, from the applications down to the core.
 
-    foundation (devices, errors, fsutil, progress) < core < store < training < inference < interop < apps
+    foundation (devices, errors, fsutil, progress, threads) < core < store < training < inference < interop < apps
 
 A module may import its own layer and the layers below it, never one above (function-local imports included).
 The package's ``__init__`` re-exports the public API and ``__main__`` starts the CLI: they are not checked, and
@@ -16,7 +16,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "difftransformer"
 LAYERS = ["foundation", "core", "store", "training", "inference", "interop", "apps"]
-FOUNDATION = {"devices", "errors", "fsutil", "progress"}
+FOUNDATION = {"devices", "errors", "fsutil", "progress", "threads"}
 
 
 def layer_of(module: str) -> str:

@@ -9,6 +9,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 from difftransformer import progress as progress_module
 from difftransformer.progress import Progress, duration
@@ -153,16 +154,25 @@ def test_third_party_noise_is_filtered_and_real_messages_kept():
 
 
 @pytest.mark.slow
-def test_train_says_what_it_will_do_and_what_it_did(prepared, tmp_path, capsys):
+def test_train_says_what_it_will_do_and_what_it_did(prepared, tmp_path, capsys, monkeypatch):
     from difftransformer.apps.cli import main
 
     run = tmp_path / "run"
-    flags = ["--max-steps", "4", "--batch-size", "4", "--seq-len", "32", "--eval-interval", "2", "--warmup-steps", "1"]
-    assert main(["train", "--data", str(prepared), "--out", str(run), *flags]) == 0
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")  # as `difftx` sets it before torch loads
+    flags = ["--max-steps", "4", "--batch-size", "4", "--seq-len", "32", "--eval-interval", "2", "--warmup-steps", "1",
+             "--threads", "1"]  # fmt: skip
+    before = torch.get_num_threads()
+    try:
+        assert main(["train", "--data", str(prepared), "--out", str(run), *flags]) == 0
+    finally:
+        torch.set_num_threads(before)
     out, err = capsys.readouterr()
     first, done, after = out.splitlines()
     assert first.startswith("difftx train: diff model, 1,345,984 parameters (tiny preset); 4 steps of 4 x 32 tokens = ")
-    assert first.endswith(f"training tokens of {prepared}) on cpu in float32; writing to {run}")
+    assert first.endswith(
+        f"training tokens of {prepared}) on cpu, 1 thread (OpenMP waits passively; --threads N sets the count) in "
+        f"float32; writing to {run}"
+    )
     assert done.startswith(f"difftx train: done: {run} at step 4; training loss ")
     assert done.endswith(f"checkpoint {run / 'checkpoints' / 'step_00000004'}")
     assert after.startswith(f"next: difftx generate --run {run} --prompt 'Your text'")
@@ -193,3 +203,44 @@ def test_each_benchmark_counts_exactly_the_timed_calls_it_plans(capsys):
     for what in ("attention", "train", "decode"):
         done, total = re.findall(rf"^bench {what}  (\d+)/(\d+) timed calls", err, re.M)[-1]
         assert done == total, f"bench {what}: the line ends at {done}/{total}"
+
+
+def _steps(p: Progress, clock: Clock, first: int, last: int, seconds: float) -> None:
+    for step in range(first, last + 1):
+        clock.now += seconds
+        p.update(step)
+
+
+def test_a_pace_that_stays_far_below_the_runs_best_is_named(clock):
+    """#48: a run slowed 5x by other programs showed only a longer time left; the line says so once the slow pace
+    has lasted SLOW_FOR_S, and stops saying it when the pace is back."""
+    out = io.StringIO()
+    p = Progress(10_000, stream=out, every_s=0)
+    _steps(p, clock, 1, 60, 1.0)  # 1 step/s for a minute: the best pace
+    assert "pace" not in out.getvalue()
+    _steps(p, clock, 61, 66, 5.0)  # 5 s a step: for 30 s the line says nothing yet
+    assert "below" not in out.getvalue().splitlines()[-1]
+    _steps(p, clock, 67, 80, 5.0)
+    assert "below this run's best: other programs may be using the cores" in out.getvalue().splitlines()[-1]
+    _steps(p, clock, 81, 200, 1.0)
+    assert "below" not in out.getvalue().splitlines()[-1]
+
+
+def test_a_pause_such_as_a_validation_is_not_named_slow(clock):
+    out = io.StringIO()
+    p = Progress(10_000, stream=out, every_s=0)
+    _steps(p, clock, 1, 60, 1.0)
+    clock.now += 25.0  # a 25 s validation, then the same pace
+    _steps(p, clock, 61, 200, 1.0)
+    assert "below" not in out.getvalue()
+
+
+def test_a_pace_far_below_the_expected_one_is_named_from_the_start(clock):
+    out = io.StringIO()
+    p = Progress(10_000, stream=out, every_s=0, expected=(1.0, "the pace of 2 idle cores"))
+    _steps(p, clock, 1, 10, 4.0)
+    assert "pace 4.0x below the pace of 2 idle cores: other programs may be using the cores" in out.getvalue()
+    out2 = io.StringIO()
+    p = Progress(10_000, stream=out2, every_s=0, expected=(1.0, "the pace of 2 idle cores"))
+    _steps(p, clock, 1, 40, 2.0)  # 2x below: within SLOW
+    assert "below" not in out2.getvalue()

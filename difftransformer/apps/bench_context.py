@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from difftransformer.apps.bench import _Logits, _result, machine, trainer_optimizer, trainer_step
+from difftransformer.apps.bench import _Logits, _result, trainer_optimizer, trainer_step
 from difftransformer.core.config import ModelConfig
 from difftransformer.core.model import TransformerLM
 from difftransformer.errors import InputError
@@ -274,8 +274,9 @@ def figure(result: dict, path: str | Path) -> None:
         ax.set_xlabel("T (tokens)")
         ax.set_ylabel(what)
         ax.grid(True, which="both", alpha=0.3)
-    s = result["shapes"]
-    finish(fig, Path(path), f"Long context, preset {s['preset']}, batch {s['batch']}, {machine()['cpu']}")
+    s, m = result["shapes"], result["machine"]  # the machine that measured, not the one that draws
+    threads = f"{m['threads']} thread{'' if m['threads'] == 1 else 's'}"
+    finish(fig, Path(path), f"Long context, preset {s['preset']}, batch {s['batch']}, {m['cpu']}, {threads}")
 
 
 if __name__ == "__main__":

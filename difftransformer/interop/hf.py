@@ -310,7 +310,7 @@ def diff_from_standard(base: TransformerLM, lambda_start: float = -1.0) -> Trans
     Examples:
         >>> from difftransformer import ModelConfig, TransformerLM
         >>> diff = diff_from_standard(TransformerLM(ModelConfig.preset("tiny", attention="standard")))
-        >>> diff.config.attention, round(float(diff.layers[0].attn.lambda_full()), 4)
+        >>> diff.config.attention, round(diff.layers[0].attn.lambda_full().item(), 4)
         ('diff', -1.0)
     """
     cfg = base.config

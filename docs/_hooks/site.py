@@ -46,7 +46,8 @@ def on_page_content(content: str, page, config, files) -> str:
 
 
 def results_markdown() -> str:
-    """One section per committed report: its heading, its first paragraph and every figure beside it."""
+    """One section per committed report: its heading, what it can answer (its README.md: a report whose models
+    never learned says so there), its first paragraph and every figure beside it."""
     parts = []
     for section in sorted(REPORTS.glob("*/section.md")):
         figures = sorted(section.parent.glob("*.png"))
@@ -54,9 +55,11 @@ def results_markdown() -> str:
             continue
         lines = section.read_text(encoding="utf-8").split("\n\n")
         heading = lines[0].lstrip("# ").strip()
-        first = next((p for p in lines[1:] if p.strip() and not p.lstrip().startswith(("|", "#", "!", "-"))), "")
+        first = next((p for p in lines[1:] if p.strip() and not p.lstrip().startswith(("|", "#", "!", "-", "**"))), "")
         where = section.parent.relative_to(ROOT)
-        parts.append(f"## {heading} (`{section.parent.name}`)\n\n{first.strip()}\n\nThe report: `{where}/section.md`.")
+        label = (section.parent / "README.md").read_text(encoding="utf-8").strip()
+        parts.append(f"## {heading} (`{section.parent.name}`)\n\n{label}\n\n{first.strip()}\n\n"
+                     f"The report: `{where}/section.md`.")  # fmt: skip
         parts += [f"![{figure.stem}]({figure.relative_to(ROOT)})" for figure in figures]
     return "\n\n".join(parts)
 

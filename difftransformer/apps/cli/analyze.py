@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from difftransformer.apps.cli.parsing import at_least, command
+from difftransformer.apps.cli.parsing import at_least, command, threads_flag
 
 
 def analyze_command(sub) -> None:
@@ -27,6 +27,7 @@ def analyze_command(sub) -> None:
     )
     attention.add_argument("--out", required=True, help="the PNG to write (its folder is made)")
     attention.add_argument("--layer", type=int, default=-1, help="the layer to show (-1: the last)")
+    threads_flag(attention)
     outliers = command(
         modes,
         "outliers",
@@ -46,6 +47,7 @@ def analyze_command(sub) -> None:
     )
     outliers.add_argument("--data", help="the data directory (default: the one each run was trained on)")
     outliers.add_argument("--batch", type=at_least(1), default=4, help="windows per forward pass")
+    threads_flag(outliers)
 
 
 def _analyze(args: argparse.Namespace) -> int:

@@ -42,6 +42,11 @@ def _bench(args: argparse.Namespace) -> int:
 
             result = bench_threads(args.threads, args.seq, args.batch, args.preset, repeats=args.repeats)
             print(format_threads(result))
+        elif args.what == "load":
+            from difftransformer.apps.bench_load import bench_load, format_load
+
+            result = bench_load(args.threads, args.preset, args.seq, args.batch, args.repeats, args.rounds)
+            print(format_load(result))
         elif args.what == "context":
             from difftransformer.apps import bench_context
 
@@ -152,6 +157,20 @@ def bench_command(sub) -> None:
     threads.add_argument("--seq", type=at_least(1), nargs="+", default=[1024, 4096], help="sequence lengths")
     threads.add_argument("--batch", type=at_least(1), nargs="+", default=[1, 4], help="sequences per step")
     _common(threads, threads=2)
+
+    load = command(
+        modes,
+        "load",
+        _bench,
+        "a training and a decode step at 1 and --threads threads, OpenMP spinning or passive, idle and with a "
+        "core busy",
+        "difftx bench load --threads 2 --json load.json",
+    )
+    load.add_argument("--preset", default="tiny", help="the model preset (default: the demo's)")
+    load.add_argument("--seq", type=at_least(1), default=256, help="tokens per sequence")
+    load.add_argument("--batch", type=at_least(1), default=16, help="sequences per training step")
+    load.add_argument("--rounds", type=at_least(1), default=2, help="rounds over every setting and condition")
+    _common(load, threads=2)
 
     context = command(
         modes,

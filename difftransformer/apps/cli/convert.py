@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from difftransformer.apps.cli.parsing import command
+from difftransformer.apps.cli.parsing import command, threads_flag
 from difftransformer.fsutil import shell
 
 
@@ -33,6 +33,7 @@ def convert_command(sub) -> None:
         action="append",
         help="--to hf: a Hub dataset id the model was trained on, for the model card's front matter (repeat for more)",
     )
+    threads_flag(conv)
 
 
 def _convert(args: argparse.Namespace) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from difftransformer.apps.cli.parsing import at_least, command
+from difftransformer.apps.cli.parsing import at_least, command, threads_flag
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -48,6 +48,7 @@ def demo_command(sub) -> None:
     demo.add_argument("--steps", type=at_least(1), default=240, help="training steps of each model")
     demo.add_argument("--out", default="runs/demo", help="report directory (a free name is chosen next to it)")
     demo.add_argument("--data", default="data/pydocs", help="where the built-in corpus is prepared (reused)")
+    threads_flag(demo)
 
 
 def presets_command(sub) -> None:

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from difftransformer.apps.cli.parsing import check_utf8, command
+from difftransformer.apps.cli.parsing import check_utf8, command, threads_flag
 
 
 def eval_command(sub) -> None:
@@ -32,6 +32,7 @@ def eval_command(sub) -> None:
         choices=["row", "tensor"],
         help="--logit-bits scale: per head and query row (default) or one per sequence and layer",
     )
+    threads_flag(ev)
 
 
 def _eval(args: argparse.Namespace) -> int:

@@ -30,6 +30,9 @@ def _start_up_interrupted() -> bool:
     import signal
     import threading
 
+    from difftransformer.threads import wait_passively
+
+    wait_passively()  # before torch loads OpenMP, which reads its wait policy once
     if threading.current_thread() is not threading.main_thread():
         import torch  # noqa: F401
 
@@ -57,6 +60,10 @@ def _main(argv: list[str] | None) -> int:
     except SystemExit as done:  # --help, --version, or a malformed command line (already printed)
         return done.code
     where = args.parser.prog
+    if threads := getattr(args, "cpu_threads", None):  # threads_flag's --threads
+        import torch
+
+        torch.set_num_threads(threads)
     try:
         return args.func(args)
     except ConfigError as err:

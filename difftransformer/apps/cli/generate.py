@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from difftransformer.apps.cli.parsing import at_least, check_utf8, command
+from difftransformer.apps.cli.parsing import check_utf8, command, threads_flag
 
 
 def generate_command(sub) -> None:
@@ -27,7 +27,7 @@ def generate_command(sub) -> None:
     gen.add_argument("--stop", nargs="+", help="stop strings")
     gen.add_argument("--truncate", action="store_true", help="keep the end of a prompt longer than the context")
     gen.add_argument("--device", default="auto", help="auto (the GPU when there is one), cpu, cuda or cuda:N")
-    gen.add_argument("--threads", type=at_least(1), help="CPU threads (default: torch's)")
+    threads_flag(gen)
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -65,8 +65,6 @@ def _generate(args: argparse.Namespace) -> int:
             print(text[len(shown) :], end="", flush=True)
             shown = text
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
     generate(
         model,
         prompt,

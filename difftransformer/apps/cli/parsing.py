@@ -97,6 +97,17 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+def threads_flag(parser) -> None:
+    """``--threads N``: the CPU threads of a command that computes; exits.py sets torch's count from it before the
+    command runs (``difftx train`` takes it as a TrainConfig field, ``difftx bench`` as a benchmark's own)."""
+    parser.add_argument(
+        "--threads",
+        dest="cpu_threads",
+        type=at_least(1),
+        help="CPU threads (default: torch's, one per core this process may use)",
+    )
+
+
 def at_least(low: int):
     def parse(text: str) -> int:
         try:

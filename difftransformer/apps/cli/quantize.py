@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from difftransformer.apps.cli.parsing import at_least, command
+from difftransformer.apps.cli.parsing import at_least, command, threads_flag
 from difftransformer.fsutil import shell
 
 
@@ -38,6 +38,7 @@ def quantize_command(sub) -> None:
         help="w8a8: input range = the largest |x| seen (default) or its 99.99th percentile",
     )
     quant.add_argument("--data", help="w8a8: the data directory (default: the one the run was trained on)")
+    threads_flag(quant)
 
 
 def _quantize(args: argparse.Namespace) -> int:

@@ -95,7 +95,7 @@ def _train(args: argparse.Namespace) -> int:
                 f"({f'{cfg.preset} preset' if cfg.preset else f'from {trainer.start}'}); "
                 f"{'resuming at step ' + str(trainer.step_idx + 1) + ', ' if trainer.step_idx else ''}{steps:,} steps "
                 f"of {cfg.batch_size} x {cfg.seq_len} tokens = {tokens:,} tokens ({tokens / have:.2f} passes over the "
-                f"{have:,} training tokens of {cfg.data}) on {trainer.world.device}"
+                f"{have:,} training tokens of {cfg.data}) on {trainer.world.device}{_cpu_threads(trainer)}"
                 f"{f' ({trainer.world.size} processes)' if trainer.world.size > 1 else ''} in "
                 f"{precision(trainer.amp, trainer.tf32, cfg.parallel)}; writing to {cfg.out}",
                 flush=True,
@@ -113,6 +113,15 @@ def _train(args: argparse.Namespace) -> int:
     if main:
         _summary(trainer, rows)
     return 0
+
+
+def _cpu_threads(trainer) -> str:
+    """', 2 threads (OpenMP waits passively; ...)' on the CPU; '' on a GPU."""
+    import torch
+
+    from difftransformer.threads import describe
+
+    return f", {describe(torch.get_num_threads())}" if trainer.world.device.type == "cpu" else ""
 
 
 def _summary(trainer, rows: list[dict]) -> None:

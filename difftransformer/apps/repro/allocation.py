@@ -128,7 +128,7 @@ def markdown(result: dict) -> str:
         f"depth, seeds {result['seeds']}. "
         "Row: the answering position (the first query's key token). Answer: the queried needle's [MARK, key, value]; "
         "noise: every other haystack position. DIFF: the differential map P1 - lambda P2; standard: the softmax map. "
-        "|map| = sum of absolute values, signed = plain sum. Means over seeds (spread = standard deviation).",
+        "|map| = sum of absolute values, signed = plain sum. " + report.over_seeds(result["seeds"]),
         "",
         "| summary | measure | model | " + " | ".join(f"{d:.0%}" for d in depths) + " |",
         "|---|---|---|" + "---|" * len(depths),
@@ -137,10 +137,7 @@ def markdown(result: dict) -> str:
         for key in ("answer_abs", "noise_abs", "answer", "noise"):
             for a in report.PAIR:
                 rows = [e["summary"][summary][key] for e in result["evals"] if e["attention"] == a]
-                cells = [
-                    f"{report.mean([row[i] for row in rows]):.3f} +- {report.std([row[i] for row in rows]):.3f}"
-                    for i in range(len(depths))
-                ]
+                cells = [report.mean_sd([row[i] for row in rows]) for i in range(len(depths))]
                 label = key.replace("_abs", " |map|") if key.endswith("_abs") else key + " signed"
                 lines.append(f"| {summary} | {label} | {report.NAMES[a]} | " + " | ".join(cells) + " |")
     for a in report.PAIR:
@@ -182,7 +179,7 @@ def draw(result: dict, out: Path) -> None:
             for j, key in enumerate(("answer_abs", "noise_abs")):
                 rows = [e["summary"][summary][key] for e in result["evals"] if e["attention"] == a]
                 means = [report.mean([row[d] for row in rows]) for d in range(len(depths))]
-                errs = [report.std([row[d] for row in rows]) for d in range(len(depths))]
+                errs = [report.std([row[d] for row in rows]) for d in range(len(depths))] if len(rows) > 1 else None
                 xs = [d + (2 * i + j - 1.5) * width for d in range(len(depths))]
                 ax.bar(
                     xs, means, width, yerr=errs, color=figures.COLORS[a], alpha=1.0 if j == 0 else 0.4,
@@ -192,7 +189,8 @@ def draw(result: dict, out: Path) -> None:
         ax.set_xlabel("answer depth")
         ax.set_title(f"{summary}, |map|")
     axes[0].set_ylabel("attention share")
-    figures.finish(fig, out / f"{TASK}_bars.png", "attention to the answer and to the rest (noise), by answer depth")
+    title = f"attention to the answer and to the rest (noise), by answer depth ({report.seeds_label(result['seeds'])})"
+    figures.finish(fig, out / f"{TASK}_bars.png", title)
 
 
 def _plot_rows(result: dict, found: dict, spec: FitSpec, out: Path) -> None:

@@ -184,6 +184,12 @@ def run(
     return result
 
 
+def _shots_trained(shots: list[int]) -> str:
+    """'30 demonstrations', or '4 to 30 demonstrations (drawn per batch)'."""
+    low, high = shots
+    return f"{high} demonstrations" if low == high else f"{low} to {high} demonstrations (drawn per batch)"
+
+
 def markdown(result: dict) -> str:
     spec = result["spec"]
     opts = spec["task"]
@@ -193,24 +199,20 @@ def markdown(result: dict) -> str:
         *report.logit_bits_note(spec),
         *report.source_note(result),
         "Synthetic many-shot classification: per episode, C classes each own "
-        f"{FEATURES_PER_CLASS} random feature tokens and a random label token; an example is {EXAMPLE_FEATURES} of its "
-        f"class's features and its label. Trained with {opts['shots'][0]} to {opts['shots'][1]} "
-        f"demonstrations (drawn per batch) in random order, C drawn from {opts['classes']}. "
-        f"{report.models_text(spec)}; seeds {result['seeds']}; {opts['eval_size']} query episodes per point. Mean "
-        "+- standard deviation over seeds.",
+        f"{report.count(FEATURES_PER_CLASS, 'random feature token')} and a random label token; an example is "
+        f"{EXAMPLE_FEATURES} of its class's features and its label. Trained with {_shots_trained(opts['shots'])} in "
+        f"random order, C drawn from {opts['classes']}. {report.models_text(spec)}; seeds {result['seeds']}; "
+        f"{opts['eval_size']} query episodes per point. {report.over_seeds(result['seeds'])}",
         "",
         "Accuracy against the number of demonstrations:",
         "",
-        "| C | model | " + " | ".join(f"{k} shots" for k in opts["eval_shots"]) + " |",
+        "| C | model | " + " | ".join(report.count(k, "shot") for k in opts["eval_shots"]) + " |",
         "|---|---|" + "---|" * len(opts["eval_shots"]),
     ]
     for c in opts["classes"]:
         for a in report.PAIR:
             rows = [e["shots"][str(c)] for e in result["evals"] if e["attention"] == a]
-            cells = [
-                f"{report.mean([r[i] for r in rows]):.3f} +- {report.std([r[i] for r in rows]):.3f}"
-                for i in range(len(opts["eval_shots"]))
-            ]
+            cells = [report.mean_sd([r[i] for r in rows]) for i in range(len(opts["eval_shots"]))]
             lines.append(f"| {c} | {report.NAMES[a]} | " + " | ".join(cells) + " |")
     size = opts["eval_size"]
     lines += [
@@ -219,7 +221,7 @@ def markdown(result: dict) -> str:
         "the mean difference in accuracy [95% t interval over the seeds]. One model's accuracy on "
         f"{size} episodes has a sampling error (one standard error) of at most {stats.binomial_se(0.5, size):.3f}.",
         "",
-        "| C | " + " | ".join(f"{k} shots" for k in opts["eval_shots"]) + " |",
+        "| C | " + " | ".join(report.count(k, "shot") for k in opts["eval_shots"]) + " |",
         "|---|" + "---|" * len(opts["eval_shots"]),
     ]
     for c in opts["classes"]:
@@ -248,7 +250,7 @@ def markdown(result: dict) -> str:
         "",
         f"Order robustness, {opts['order_shots']} balanced demonstrations, the same episodes in "
         f"{result['order_seeds']} orders per arrangement: mean accuracy, and best minus worst accuracy over the "
-        "orders in points (mean +- std over seeds). Paper (TREC): random order standard 19.0 vs DIFF "
+        "orders in points (mean +- std over seeds, with their range). Paper (TREC): random order standard 19.0 vs DIFF "
         "4.0; alternating by class 56.7 vs 13.4. Sampling error: the standard error of a seed's best minus worst "
         "accuracy as a paired difference on the same episodes (mean over seeds, points), and on how many seeds the "
         "spread is more than twice its standard error (larger than its sampling error).",
@@ -293,7 +295,7 @@ def _plot_shots(result: dict, out: Path) -> None:
         for a in report.PAIR:
             rows = [e["shots"][str(c)] for e in result["evals"] if e["attention"] == a]
             means = [report.mean([r[i] for r in rows]) for i in range(len(opts["eval_shots"]))]
-            errs = [report.std([r[i] for r in rows]) for i in range(len(opts["eval_shots"]))]
+            errs = [report.std([r[i] for r in rows]) for i in range(len(opts["eval_shots"]))] if len(rows) > 1 else None
             ax.errorbar(opts["eval_shots"], means, yerr=errs, color=figures.COLORS[a], label=report.NAMES[a], capsize=3)
         ax.axhline(1 / c, color="gray", ls=":", lw=1, label="chance")
         ax.set_xscale("log", base=2)
@@ -302,5 +304,5 @@ def _plot_shots(result: dict, out: Path) -> None:
         ax.set_xlabel("demonstrations")
         ax.set_title(f"{c} classes")
     axes[0].set_ylabel("query accuracy")
-    title = "in-context learning: accuracy against demonstrations (mean and sd over seeds)"
+    title = f"in-context learning: accuracy against demonstrations ({report.seeds_label(result['seeds'])})"
     figures.finish(fig, out / f"{TASK}_shots.png", title)

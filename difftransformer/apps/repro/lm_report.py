@@ -343,13 +343,25 @@ def _grid_markdown(result: dict, sc: dict) -> list[str]:
         f"Fits L = a N^-b over non-embedding parameters N ({hi} steps): DIFF a={f['diff']['a']:.3f} "
         f"b={f['diff']['b']:.4f}; standard a={f['standard']['a']:.3f} b={f['standard']['b']:.4f}.",
         "",
-        f"**Parameter fraction**: the share of the standard model's parameters DIFF needs for the standard model's "
-        f"loss, at size {top}: {_interval(fit['fraction_at_top'], '{:.1%}')} over the seeds of size "
-        f"{sc['reference']} (by seed: {', '.join(_pct(x) for x in fit['fraction_at_top_by_seed'])}); at each size "
-        f"(seed 0): "
-        + ", ".join(f"{k} {_pct(v)}" for k, v in fit["fraction_at_size"].items())
-        + f". Paper: {_pct(PAPER['parameter_fraction'])} (6.8B vs 11B). Above 100% means DIFF needs more.",
-        "",
+    ]
+    if falls_with_size(fit):
+        lines += [
+            f"**Parameter fraction**: the share of the standard model's parameters DIFF needs for the standard "
+            f"model's loss, at size {top}: {_interval(fit['fraction_at_top'], '{:.1%}')} over the seeds of size "
+            f"{sc['reference']} (by seed: {', '.join(_pct(x) for x in fit['fraction_at_top_by_seed'])}); at each "
+            f"size (seed 0): "
+            + ", ".join(f"{k} {_pct(v)}" for k, v in fit["fraction_at_size"].items())
+            + f". Paper: {_pct(PAPER['parameter_fraction'])} (6.8B vs 11B). Above 100% means DIFF needs more.",
+            "",
+        ]
+    else:
+        lines += [
+            f"**Parameter fraction**: not read. At {hi} steps the fits above do not both fall with size, so the "
+            f"share of parameters they would give means nothing (below). Paper: "
+            f"{_pct(PAPER['parameter_fraction'])} (6.8B vs 11B).",
+            "",
+        ]
+    lines += [
         "**Token fraction**: the share of the long budget's tokens DIFF needs for the standard model's loss after "
         "the long budget (two budgets per curve, so the power law interpolates between them and extrapolates beyond): "
         + ", ".join(f"{k} {_pct(v['fraction'])}" for k, v in result["token_fits"].items())
@@ -387,6 +399,12 @@ def _grid_markdown(result: dict, sc: dict) -> list[str]:
     pp = result["per_position"]
     lines += ["", _positions_summary(pp, sc), ""]
     return lines
+
+
+def falls_with_size(fit: dict) -> bool:
+    """Whether both architectures' loss falls with size in a budget's fits (exponent b > 0): only then can a
+    parameter fraction be read from them, or their curves be drawn."""
+    return all(fit["fit"][a]["b"] > 0 for a in PAIR)
 
 
 def _token_seeds(result: dict, sc: dict) -> str:
@@ -459,9 +477,14 @@ def _plot_scaling(result: dict, out: Path) -> None:
             for p in pts:
                 axes[0].plot(p["non_embedding"], p["loss"], markers.get(p["size"], "o"), color=figures.COLORS[a])
             grid = [min(xs) * (max(xs) / min(xs)) ** (i / 40) for i in range(41)]
-            axes[0].plot(grid, [fit[a]["a"] * x ** -fit[a]["b"] for x in grid], style, color=figures.COLORS[a])
+            if falls_with_size(result["param_fits"][str(steps)]):  # else the report reads no fit: none is drawn
+                axes[0].plot(grid, [fit[a]["a"] * x ** -fit[a]["b"] for x in grid], style, color=figures.COLORS[a])
+            else:  # the points joined, thin, to show which belong together
+                axes[0].plot(xs, [p["loss"] for p in pts], style, color=figures.COLORS[a], lw=0.6, alpha=0.6)
+    drawn = [s for s in styles if falls_with_size(result["param_fits"][str(s)])]
     axes[0].set(xscale="log", xlabel="non-embedding parameters", ylabel="validation loss (nats per token)")
-    axes[0].set_title("loss against size (lines: power-law fits)", fontsize=10)
+    fits = f"lines: power-law fits at {', '.join(map(str, drawn))} steps" if drawn else "no fit: loss does not fall"
+    axes[0].set_title(f"loss against size ({fits})", fontsize=10)
     figures.readable_log_axis(axes[0])
     for size, marker in markers.items():
         for a in PAIR:

@@ -178,7 +178,7 @@ def markdown(result: dict) -> str:
         *report.source_note(result),
         f"{report.models_text(spec)}; {training_data(spec['task'])}; seeds {seeds}. "
         "Needle = [MARK, key, value] in random filler; R queries [QRY, key] ask distinct needles; only the first "
-        "query is scored. Mean +- standard deviation over seeds; the paper's 4K-context numbers beside.",
+        f"query is scored. {report.over_seeds(seeds)} The paper's 4K-context numbers beside.",
         "",
         "| (N, R) | DIFF correct | standard correct | paper DIFF | paper standard | random needle 1/N |",
         "|---|---|---|---|---|---|",
@@ -333,9 +333,14 @@ def draw(result: dict, out: Path) -> None:
         for i, row in enumerate(grid):
             for j, x in enumerate(row):
                 each = [seed[i][j] for seed in seeds]  # the spread over seeds, under the mean
-                ax.text(j, i, f"{x:.2f}\n{min(each):.2f}-{max(each):.2f}", ha="center", va="center",
+                spread = f"\n{min(each):.2f}-{max(each):.2f}" if len(each) > 1 else ""
+                ax.text(j, i, f"{x:.2f}{spread}", ha="center", va="center",
                         color="w" if x < 0.6 else "k", fontsize=8, linespacing=1.3)  # fmt: skip
     fig.colorbar(im, ax=axes, label="accuracy (mean over seeds)")
-    title = "needle retrieval accuracy by context length and depth (each cell: the mean; below it, the seeds' range)"
+    title = "needle retrieval accuracy by context length and depth (" + (
+        "each cell: the mean; below it, the seeds' range)"
+        if len(result["seeds"]) > 1
+        else f"seed {result['seeds'][0]} alone)"
+    )
     figures.finish(fig, out / f"{TASK}_depth_length.png", title)
     report.plot_curves(result["runs"], out / f"{TASK}_curves.png", "accuracy, N=4 R=2", "needle retrieval")

@@ -21,10 +21,35 @@ def std(xs: list[float]) -> float:
 
 
 def mean_std(xs: list[float], digits: int = 2) -> str:
-    """'mean +- std (min-max)' over seeds."""
+    """'mean +- std (min-max)' over seeds; one seed's value alone (one seed has no spread)."""
     if not xs:
         return "-"
+    if len(xs) == 1:
+        return f"{xs[0]:.{digits}f}"
     return f"{mean(xs):.{digits}f} +- {std(xs):.{digits}f} ({min(xs):.{digits}f}-{max(xs):.{digits}f})"
+
+
+def mean_sd(xs: list[float], digits: int = 3) -> str:
+    """'mean +- sd' over seeds; one seed's value alone."""
+    return f"{mean(xs):.{digits}f}" + (f" +- {std(xs):.{digits}f}" if len(xs) > 1 else "")
+
+
+def over_seeds(seeds: list[int]) -> str:
+    """How a report's cells summarise its seeds, as a sentence: 'Mean +- standard deviation over the 5 seeds.', or
+    for one seed 'One seed: its values, no spread.'"""
+    if len(seeds) > 1:
+        return f"Mean +- standard deviation over the {len(seeds)} seeds."
+    return f"One seed ({seeds[0]}): its values, no spread." if seeds else "No seeds."
+
+
+def seeds_label(seeds: list[int]) -> str:
+    """A figure's words for the same: 'mean and sd over 5 seeds' or 'seed 0 alone'."""
+    return f"mean and sd over {len(seeds)} seeds" if len(seeds) > 1 else f"seed {seeds[0]} alone"
+
+
+def count(n: int, word: str) -> str:
+    """'1 token', '4 tokens'."""
+    return f"{n} {word}{'' if n == 1 else 's'}"
 
 
 def mean_grid(grids: list[list[list[float]]]) -> list[list[float]]:
@@ -92,8 +117,9 @@ def source_note(result: dict) -> list[str]:
     if not result.get("models"):
         return []
     return [
-        f"The models of `{result['models']}`, evaluated again (nothing trained here): the learning curves and "
-        "seconds are that run's.",
+        "The models of an earlier run of this experiment, evaluated again (nothing trained here): the learning "
+        f"curves and seconds are that run's. It wrote them to {result['models']} on the machine it ran on (a "
+        "committed report holds no models).",
         "",
     ]
 

@@ -1,0 +1,105 @@
+"""CPU threads (#48 part 1): the command line makes OpenMP's idle threads wait passively (a spinning thread starved
+the working one when another program kept a core busy), every command that computes takes --threads, the summary
+lines say what was used, and `difftx bench load` reads its verdict from its rows."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from difftransformer.apps.cli import build_parser, main
+from difftransformer.apps.cli.parsing import leaf_commands
+from difftransformer.threads import describe
+
+COMMANDS = dict(leaf_commands(build_parser()))
+# the commands that compute nothing with torch (files, tokenizers, a table), and the study runner, whose --workers
+# sets one thread per model it trains
+NO_TORCH_WORK = {("data", "prepare"), ("data", "fetch"), ("data", "verify"), ("tokenizer", "train"), ("presets",),
+                 ("repro",)}  # fmt: skip
+
+
+def _openmp_spin(env: dict) -> str:
+    """GNU OpenMP's spin count as the runtime itself reports it when `difftx presets` starts (OMP_DISPLAY_ENV):
+    '0' when its idle threads wait passively."""
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")} | env
+    env["OMP_DISPLAY_ENV"] = "VERBOSE"
+    done = subprocess.run([sys.executable, "-m", "difftransformer", "presets"], env=env, capture_output=True,
+                          text=True, check=True)  # fmt: skip
+    spin = [line for line in done.stderr.splitlines() if line.strip().startswith("GOMP_SPINCOUNT = ")]
+    assert spin, f"OpenMP displayed no spin count:\n{done.stderr}"
+    return spin[0].split("=", 1)[1].strip().strip("'")
+
+
+def test_the_command_line_makes_openmp_wait_passively_unless_the_environment_chose():
+    assert _openmp_spin({}) == "0"
+    assert _openmp_spin({"OMP_WAIT_POLICY": "ACTIVE"}) != "0"  # the user's choice is kept
+    assert _openmp_spin({"GOMP_SPINCOUNT": "1000"}) == "1000"
+
+
+def test_a_python_program_that_imports_torch_itself_keeps_openmps_default():
+    """What the command line changes only applies to it: importing the library does not set the environment."""
+    code = "import os, difftransformer, torch; print(os.environ.get('OMP_WAIT_POLICY'))"
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "None"
+
+
+@pytest.mark.parametrize("path", sorted(set(COMMANDS) - NO_TORCH_WORK), ids=" ".join)
+def test_every_command_that_computes_takes_threads(path):
+    assert "--threads" in COMMANDS[path]._option_string_actions, f"difftx {' '.join(path)} has no --threads"
+
+
+def test_threads_is_set_before_the_command_runs(tmp_path, capsys):
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert main(["generate", "--run", str(tmp_path / "missing"), "--prompt", "x", "--threads", "1"]) == 2
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+    assert "missing" in capsys.readouterr().err
+
+
+def test_the_summary_names_threads_and_the_wait(monkeypatch):
+    monkeypatch.setenv("OMP_WAIT_POLICY", "passive")
+    assert describe(1) == "1 thread (OpenMP waits passively; --threads N sets the count)"
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    assert describe(2) == "2 threads (OpenMP spins; --threads N sets the count)"
+    monkeypatch.delenv("OMP_WAIT_POLICY")
+    assert describe(2) == "2 threads (OpenMP spins a while, its default; --threads N sets the count)"
+
+
+def _row(condition, setting, work, ms):
+    return {"condition": condition, "setting": setting, "work": work, "seconds": ms / 1e3}
+
+
+def test_bench_loads_verdict_compares_the_default_with_the_best_and_the_old_default():
+    from difftransformer.apps.bench_load import format_load, verdict
+
+    ms = {  # training step, decode step
+        ("idle", "1 thread, OpenMP's default"): (800, 3.0),
+        ("idle", "2 threads, OpenMP's default"): (400, 3.0),
+        ("idle", "1 thread, passive"): (800, 3.0),
+        ("idle", "2 threads, passive"): (440, 3.3),
+        ("one core busy", "1 thread, OpenMP's default"): (800, 3.2),
+        ("one core busy", "2 threads, OpenMP's default"): (1600, 9.0),
+        ("one core busy", "1 thread, passive"): (840, 3.3),
+        ("one core busy", "2 threads, passive"): (880, 3.0),
+    }
+    rows = [_row(c, s, w, v[i]) for (c, s), v in ms.items() for i, w in enumerate(("training step", "decode step"))]
+    result = {"shapes": {"threads": [1, 2]}, "rows": rows}
+    assert verdict(result) == [
+        "training step: one core busy, the default (2 threads, passive) takes 1.10x the best setting (1 thread, "
+        "OpenMP's default); the old default took 2.00x. Idle, the default takes 1.10x the old default (2 threads, "
+        "OpenMP's default)",
+        "decode step: one core busy, the default (2 threads, passive) takes 1.00x the best setting (2 threads, "
+        "passive); the old default took 3.00x. Idle, the default takes 1.10x the old default (2 threads, OpenMP's "
+        "default)",
+    ]
+    result |= {"benchmark": "load", "dtype": "float32", "machine": {"cpu": "X", "torch": "2", "threads": 2}}
+    result["shapes"] |= {"preset": "tiny", "attention": "diff", "batch": 16, "seq": 256, "cpus": [0, 1], "rounds": 1}
+    assert "| one core busy | 2 threads, OpenMP's default | 1600 | 9.0 |" in format_load(result)
