@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+DEMO_STAMP := $(VENV)/.installed-demo
 
 # Other transformers versions for the interop tests, each in its own .venv-tf<version> (pinned in tests/interop).
 INTEROP_VERSIONS := 4.48 4.57
@@ -13,18 +14,29 @@ INTEROP_PYTHONS := $(subst $(space),$(comma),$(strip $(foreach v,$(INTEROP_VERSI
 
 .PHONY: demo test test-quick test-interop test-floor lint format clean shell docs docs-serve
 
-# PYTHONWARNINGS filters setuptools' notice that an editable install is editable (a warning block at every set-up)
-$(STAMP): requirements-dev.txt pyproject.toml
+# .venv in two layers: make demo installs what the demo needs (requirements-demo.txt: the library's runtime
+# dependencies, matplotlib, the kernel's build tools), make test everything in requirements-dev.txt on top (the same
+# pins). PYTHONWARNINGS filters setuptools' notice that an editable install is editable (a warning block at every set-up)
+define install_venv
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -r requirements-dev.txt
+	$(BIN)/python -m pip install --quiet -r $(1)
 	PYTHONWARNINGS='ignore:Editable installation' $(BIN)/python -m pip install --quiet --no-deps --no-build-isolation -e .
 	$(BIN)/python -c 'from difftransformer.core.attention import cpu_kernel; print(cpu_kernel.build())'
-	touch $(STAMP)
+endef
+
+$(DEMO_STAMP): requirements-demo.txt requirements-dev.txt pyproject.toml
+	$(call install_venv,requirements-demo.txt)
+	touch $(DEMO_STAMP)
+	@echo "$(VENV) is ready for the demo (make test adds the development tools)."; $(HINT)
+
+$(STAMP): requirements-dev.txt pyproject.toml
+	$(call install_venv,requirements-dev.txt)
+	touch $(STAMP) $(DEMO_STAMP)
 	@echo "$(VENV) is ready."; $(HINT)
 
 # a shell with the environment active (difftx and python on PATH); exit returns
-shell: $(STAMP)
+shell: $(DEMO_STAMP)
 	@echo "difftx is on PATH in this shell (exit to leave)"
 	@VIRTUAL_ENV=$(CURDIR)/$(VENV) PATH="$(CURDIR)/$(BIN):$$PATH" $${SHELL:-/bin/bash}
 
@@ -39,7 +51,7 @@ docs-serve: docs
 
 HINT := echo "difftx is $(BIN)/difftx: 'source $(BIN)/activate' (or 'make shell') puts it on PATH; then difftx --help"
 
-demo: $(STAMP)
+demo: $(DEMO_STAMP)
 	$(BIN)/difftx demo
 	@$(HINT)
 
