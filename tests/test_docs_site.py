@@ -1,8 +1,10 @@
-"""The documentation site in a real browser: built as `make docs` builds it and served as `make docs-serve` serves it
-(a local HTTP server: a browser refuses search's worker from a file), in headless Chromium driven over the DevTools
-protocol (its pipe, so no extra package). Each page checked logs no console error, no failed request and no
-request that leaves the machine; search finds a page; a formula is drawn as MathML; code is coloured; every image
-of the Results page loads.
+"""The documentation site in a real browser: built as `make docs` builds it, served as `make docs-serve` serves it (a
+local HTTP server: a browser refuses search's worker from a file) and opened from disk (file://), in headless
+Chromium driven over the DevTools protocol (its pipe, so no extra package). Each page checked logs no console error,
+no failed request and no request that leaves the machine; search finds a page when served, and from disk the header
+says it needs the served site; from disk every navigation link reaches a page (not a directory listing); a formula is
+drawn as MathML in the bundled math font, with stretched parentheses and room between display formulas; code is
+coloured; every image of the Results page loads.
 
 Chromium comes from Debian's packages: `apt-get install chromium` (.ci/run does it). Without it the test is skipped
 with that command, except with DIFFTX_REQUIRE_BROWSER=1 (.ci/run sets it), where it fails."""
@@ -132,17 +134,30 @@ class Browser:
 
 
 @pytest.fixture(scope="module")
-def site(tmp_path_factory):
-    """The site built into a temporary directory and served on a free local port: its base URL."""
+def built(tmp_path_factory) -> Path:
+    """The site built into a temporary directory, as make docs builds it."""
+    out = tmp_path_factory.mktemp("site")
+    mkdocs = Path(sys.executable).parent / "mkdocs"
+    env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
+    done = subprocess.run([mkdocs, "build", "--strict", "--site-dir", out], cwd=ROOT, env=env, capture_output=True)
+    assert done.returncode == 0, done.stderr.decode()[-3000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def disk(built) -> str:
+    """The built site as a browser opens it from disk: its base URL."""
+    return built.as_uri() + "/"
+
+
+@pytest.fixture(scope="module")
+def site(built):
+    """The built site served on a free local port: its base URL."""
     import functools
     import http.server
     import threading
 
-    out = tmp_path_factory.mktemp("site")
-    mkdocs = Path(sys.executable).parent / "mkdocs"
-    env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
-    built = subprocess.run([mkdocs, "build", "--strict", "--site-dir", out], cwd=ROOT, env=env, capture_output=True)
-    assert built.returncode == 0, built.stderr.decode()[-3000:]
+    out = built
 
     class Quiet(http.server.SimpleHTTPRequestHandler):
         def log_message(self, *args) -> None:
@@ -161,18 +176,44 @@ def browser(tmp_path_factory):
     opened.close()
 
 
-PAGES = ["", "paper/", "results/", "cli/", "tutorials/train-on-your-text/", "reference/attention/", "guide/training/"]
+PAGES = ["index.html", "paper.html", "results.html", "cli.html", "tutorials/train-on-your-text.html",
+         "reference/attention.html", "guide/training.html"]  # fmt: skip
 
 
 @pytest.mark.parametrize("page", PAGES)
-def test_a_page_opened_from_disk_logs_no_error(site, browser, page):
+def test_a_served_page_logs_no_error(site, browser, page):
     browser.open(site + page)
     assert browser.evaluate("document.querySelector('h1') !== null")
     assert browser.errors() == []
     assert browser.requested() and all(url.startswith(site) for url in browser.requested()), browser.requested()
 
 
-def test_search_works_from_disk(site, browser):
+def _search_worker(error: str) -> bool:
+    """The one error a page opened from disk logs: the browser refusing search's worker script from a file."""
+    return "worker" in error.lower() and "search" in error.lower()
+
+
+def test_every_navigation_link_reaches_a_page_from_disk(disk, browser):
+    """#48: every link once went to a folder (paper/), which a browser opened from disk shows as a directory listing.
+    From file://, each link of the navigation opens a page with a heading, logs no error but search's worker, asks
+    for nothing outside the site, and the header says search needs the served site."""
+    browser.open(disk + "index.html")
+    links = browser.evaluate("[...new Set([...document.querySelectorAll('nav.md-nav--primary a.md-nav__link[href]')]"
+                             ".map(a => a.href.split('#')[0]))]")  # fmt: skip
+    assert len(links) >= 15, links
+    for link in links:
+        assert link.startswith(disk) and link.endswith(".html"), link
+        browser.open(link)
+        assert browser.evaluate("document.querySelector('article h1') !== null"), f"{link}: no page"
+        assert not browser.evaluate("document.title.startsWith('Index of')"), f"{link}: a directory listing"
+        assert [e for e in browser.errors() if not _search_worker(e)] == [], link
+        assert all(url.startswith(disk) for url in browser.requested()), browser.requested()
+        assert browser.evaluate("document.querySelector('.difftx-file-note').textContent") == (
+            "search needs the served site: make docs-serve"
+        )
+
+
+def test_search_works_when_served(site, browser):
     browser.open(site)
     browser.evaluate(
         "const box = document.querySelector('input.md-search__input'); box.focus(); box.value = 'lambda_init';"
@@ -184,19 +225,47 @@ def test_search_works_from_disk(site, browser):
 
 
 def test_formulas_are_drawn_as_mathml_and_code_is_coloured(site, browser):
-    browser.open(site + "paper/")
+    browser.open(site + "paper.html")
     assert browser.evaluate("document.querySelectorAll('math').length") >= 4
     assert browser.evaluate("document.querySelector('math').getBoundingClientRect().height") > 10  # drawn, not text
     assert "\\frac" not in browser.evaluate("document.body.innerText")  # no formula left as LaTeX
-    browser.open(site + "tutorials/add-to-your-model/")
+    browser.open(site + "tutorials/add-to-your-model.html")
     colours = browser.evaluate(
         "[...document.querySelectorAll('.highlight code span')].map(s => getComputedStyle(s).color)"
     )
     assert len(set(colours)) >= 3  # tokens in several colours, done at build time (no script)
 
 
+LAYOUT = """(() => {
+  const blocks = [...document.querySelectorAll('math[display="block"]')].map(m => m.getBoundingClientRect());
+  const gaps = blocks.slice(1).map((b, i) => b.top - blocks[i].bottom);
+  const first = document.querySelector('math[display="block"]');
+  const fraction = Math.max(...[...first.querySelectorAll('mfrac')].map(f => f.getBoundingClientRect().height));
+  const fences = [...first.querySelectorAll('mo[stretchy="true"]')].map(o => o.getBoundingClientRect().height);
+  return {count: blocks.length, gaps, fraction, fences, font: document.fonts.check('16px "STIX Two Math"')};
+})()"""
+
+
+@pytest.mark.parametrize("where", ["served", "disk"])
+def test_display_formulas_have_room_and_stretched_parentheses(site, disk, browser, where, tmp_path):
+    """#48: the paper page's display formulas touched one another, and their parentheses stood at text height around
+    fractions (the system fonts have no MATH table). Measured in the browser's layout: each display formula clears
+    the previous one, every stretchy parenthesis of the first is at least as tall as its tallest fraction, and the
+    bundled math font is loaded. A screenshot is kept in the test's folder (pytest --basetemp) for the eye."""
+    import base64
+
+    browser.open((site if where == "served" else disk) + "paper.html")
+    browser.wait_for("document.fonts.status === 'loaded'")
+    layout = browser.evaluate(LAYOUT)
+    assert layout["count"] >= 4 and layout["font"], layout
+    assert all(gap >= 6 for gap in layout["gaps"]), layout
+    assert layout["fences"] and all(h >= 0.95 * layout["fraction"] for h in layout["fences"]), layout
+    shot = browser.call("Page.captureScreenshot", session=browser.session, format="png")["data"]
+    (tmp_path / "paper.png").write_bytes(base64.b64decode(shot))
+
+
 def test_every_image_of_the_results_page_loads(site, browser):
-    browser.open(site + "results/")
+    browser.open(site + "results.html")
     images = browser.wait_for(
         "[...document.images].every(i => i.complete) && [...document.images].map(i => [i.src, i.naturalWidth])"
     )
