@@ -209,3 +209,48 @@ def test_a_refused_prompt_is_not_echoed_first(prepared, tmp_path, capsys):
     assert out == "" and "exceeds the model's context" in err
     assert main(["generate", "--run", str(run), "--prompt", "the ", "--max-new-tokens", "2"]) == 0
     assert capsys.readouterr().out.startswith("the ")
+
+
+@pytest.mark.slow
+def test_an_interrupted_demo_saves_both_models_and_resumes_to_the_same_result(tmp_path, prepared, monkeypatch, capsys):
+    """#48: a demo stopped by Ctrl-C left one model with a checkpoint and no way back, and the next demo wrote
+    runs/demo-2 without a word. Now both models are saved where they stopped, the error names the command that
+    resumes, a plain demo beside it says the folder holds an interrupted demo, and the resumed demo ends exactly where
+    an uninterrupted one does."""
+    import os
+    import signal
+
+    from difftransformer.errors import InputError, Interrupted
+    from difftransformer.training.loop import Trainer
+
+    optional("matplotlib")
+    shape = {"steps": 6, "eval_every": 2, "seq_len": 32, "batch_size": 4, "data": prepared, "sample_tokens": 4}
+    straight = run_demo(out=tmp_path / "straight", **shape)
+    real_step, calls = Trainer.train_step, []
+
+    def train_step(self):  # SIGINT during the DIFF model's 4th step, as Ctrl-C would send it
+        calls.append(self.cfg.attention)
+        if calls.count("diff") == 4 and calls[-1] == "diff":
+            os.kill(os.getpid(), signal.SIGINT)
+        return real_step(self)
+
+    monkeypatch.setattr(Trainer, "train_step", train_step)
+    with pytest.raises(Interrupted) as stop:
+        run_demo(out=tmp_path / "demo", **shape)
+    monkeypatch.setattr(Trainer, "train_step", real_step)
+    message = str(stop.value)
+    assert f"resume it with: difftx demo --resume --out {tmp_path / 'demo'}" in message, message
+    assert "DIFF at step 4, standard at step 3" in message or "DIFF at step 4, standard at step 4" in message, message
+    for kind in ("diff", "standard"):
+        assert any((tmp_path / "demo" / kind / "checkpoints").iterdir()), f"{kind} was not saved"
+    assert not (tmp_path / "demo" / "report.md").exists()
+
+    run_demo(out=tmp_path / "demo", **{**shape, "steps": 1})  # a new demo beside it: a note, nothing overwritten
+    assert "holds an interrupted demo (resume it: difftx demo --resume --out" in capsys.readouterr().err
+    with pytest.raises(InputError, match="holds a finished demo"):
+        run_demo(out=tmp_path / "demo-2", resume=True, **shape)
+
+    resumed = run_demo(out=tmp_path / "demo", resume=True, **shape)
+    for kind in ("diff", "standard"):
+        assert resumed["final"][kind] == straight["final"][kind], kind
+    assert (tmp_path / "demo" / "report.md").is_file()

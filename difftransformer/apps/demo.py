@@ -13,6 +13,8 @@ from pathlib import Path
 import torch
 
 from difftransformer.core.model import TransformerLM
+from difftransformer.errors import InputError, Interrupted
+from difftransformer.fsutil import shell
 from difftransformer.inference.generate import generate
 from difftransformer.progress import Progress
 from difftransformer.store import corpus
@@ -52,6 +54,24 @@ def free_run_dir(base: Path) -> Path:
         n += 1
         candidate = base.with_name(f"{base.name}-{n}")
     return candidate
+
+
+def interrupted(run_dir: Path) -> bool:
+    """Whether ``run_dir`` holds a demo that stopped before its report (its models' runs, no report.md)."""
+    return run_dir.is_dir() and not (run_dir / "report.md").exists() and any((run_dir / k).is_dir() for k in KINDS)
+
+
+def resume_command(run_dir: Path) -> str:
+    return f"difftx demo --resume --out {shell(str(run_dir))}"
+
+
+def _resumed_dir(out: Path) -> Path:
+    if interrupted(out):
+        return out
+    if (out / "report.md").exists():
+        raise InputError(f"{out} holds a finished demo (its report.md): nothing to resume; run difftx demo without "
+                         "--resume for a new one")  # fmt: skip
+    raise InputError(f"{out} holds no interrupted demo to resume: give --out the folder an interrupted demo named")
 
 
 def map_properties(model: TransformerLM, tokens: torch.Tensor) -> dict:
@@ -106,11 +126,18 @@ def run_demo(
     out: str | Path = "runs/demo",
     data: str | Path = "data/pydocs",
     sample_tokens: int = 120,
+    resume: bool = False,
 ) -> dict:
+    """The demo; ``resume``: continue the interrupted demo in ``out`` (both models from their newest checkpoints)."""
+    run_dir = _resumed_dir(Path(out)) if resume else free_run_dir(Path(out))
     data_dir = demo_data(Path(data))
-    run_dir = free_run_dir(Path(out))
     if run_dir != Path(out):
-        print(f"note: {out} holds an earlier demo, kept as it is; this one writes {run_dir}", file=sys.stderr)
+        earlier = (
+            "an interrupted demo (resume it: " + resume_command(Path(out)) + ")"
+            if interrupted(Path(out))
+            else ("an earlier demo")
+        )
+        print(f"note: {out} holds {earlier}, kept as it is; this one writes {run_dir}", file=sys.stderr)
     trainers = {}
     default_shape = (seq_len, batch_size, eval_every) == (256, 16, 40)
     progress = Progress(steps, "demo, DIFF and standard in turn", expected=REFERENCE_PACE if default_shape else None)
@@ -123,7 +150,8 @@ def run_demo(
 
     for kind in KINDS:
         cfg = demo_config(kind, data_dir, run_dir / kind, steps, eval_every, seq_len, batch_size)
-        trainers[kind] = Trainer(cfg, quiet=True, on_step=lambda row, kind=kind: shown(kind, row))
+        again = resume and (run_dir / kind).is_dir()  # a model the interruption reached before it started starts new
+        trainers[kind] = Trainer(cfg, resume=again, quiet=True, on_step=lambda row, kind=kind: shown(kind, row))
     diff, std = (trainers[k].model for k in KINDS)
     n_diff, n_std = diff.num_parameters(), std.num_parameters()
     vocab, width = diff.config.vocab_size, diff.config.d_model
@@ -154,22 +182,26 @@ def run_demo(
         f"better; a model that knew nothing would score ln {vocab} = {math.log(vocab):.2f}) and in bits per byte\n"
     )
     print(f"{'step':>6} {'val loss DIFF':>14} {'val loss std':>13} {'bpb DIFF':>9} {'bpb std':>8}")
-    rows = {k: [] for k in KINDS}
+    rows = {k: trainers[k].metric_rows() for k in KINDS}  # a resumed demo's rows so far; else none
+    first = min(t.step_idx for t in trainers.values()) + 1
+    for step in range(eval_every, first, eval_every):  # the table's rows before the interruption
+        _table_row(progress, step, rows)
     seconds, timed = dict.fromkeys(KINDS, 0.0), 0
-    progress.begin()
-    for step in range(1, steps + 1):
-        validates = step % eval_every == 0 or step == steps
-        for kind in KINDS if step % 2 else KINDS[::-1]:  # who goes first alternates
-            start = time.perf_counter()
-            rows[kind].extend(trainers[kind].fit(until=step))
-            if not validates:  # steps timed without a validation or a checkpoint: the same work for both
-                seconds[kind] += time.perf_counter() - start
-        timed += not validates
-        if validates:
-            d, s = rows["diff"][-1], rows["standard"][-1]
-            progress.write(
-                f"{step:>6} {d['val_loss']:>14.4f} {s['val_loss']:>13.4f} {d['val_bpb']:>9.3f} {s['val_bpb']:>8.3f}"
-            )
+    progress.begin(first - 1)
+    try:
+        for step in range(first, steps + 1):
+            validates = step % eval_every == 0 or step == steps
+            for kind in KINDS if step % 2 else KINDS[::-1]:  # who goes first alternates
+                start = time.perf_counter()
+                rows[kind].extend(trainers[kind].fit(until=step))
+                if not validates:  # steps timed without a validation or a checkpoint: the same work for both
+                    seconds[kind] += time.perf_counter() - start
+            timed += not validates
+            if validates:
+                _table_row(progress, step, rows)
+    except (Interrupted, KeyboardInterrupt) as err:  # both models saved where they are, then the way back
+        progress.close()
+        raise _stopped(trainers, run_dir, err) from None
     progress.close()
     for trainer in trainers.values():
         trainer.close()  # both runs are complete: release their directories
@@ -223,6 +255,26 @@ def run_demo(
         print(line)
     print(f"\nreport: {run_dir / 'report.md'}")
     return summary
+
+
+def _table_row(progress: Progress, step: int, rows: dict[str, list[dict]]) -> None:
+    d, s = (next(r for r in reversed(rows[k]) if r["step"] == step and "val_loss" in r) for k in KINDS)
+    progress.write(f"{step:>6} {d['val_loss']:>14.4f} {s['val_loss']:>13.4f} {d['val_bpb']:>9.3f} {s['val_bpb']:>8.3f}")
+
+
+def _stopped(trainers: dict[str, Trainer], run_dir: Path, err: BaseException) -> Interrupted:
+    """After SIGINT or SIGTERM: a checkpoint of each model at its step (the one that was training wrote its own),
+    their directories released, and the command that resumes the demo."""
+    import signal
+
+    for trainer in trainers.values():
+        if trainer.step_idx > 0 and trainer.saved_step != trainer.step_idx:
+            trainer.save()
+        trainer.close()
+    at = ", ".join(f"{NAMES[k]} at step {t.step_idx}" for k, t in trainers.items())
+    signum = err.signum if isinstance(err, Interrupted) else int(signal.SIGINT)
+    return Interrupted(signum, f"stopped by {signal.Signals(signum).name}: the demo in {run_dir} is saved ({at}); "
+                               f"resume it with: {resume_command(run_dir)}")  # fmt: skip
 
 
 def study_context(path: Path = STUDY) -> list[str]:

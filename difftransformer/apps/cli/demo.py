@@ -10,7 +10,7 @@ from difftransformer.apps.cli.parsing import at_least, command, threads_flag
 def _demo(args: argparse.Namespace) -> int:
     from difftransformer.apps.demo import run_demo
 
-    run_demo(steps=args.steps, out=args.out, data=args.data)
+    run_demo(steps=args.steps, out=args.out, data=args.data, resume=args.resume)
     return 0
 
 
@@ -48,6 +48,9 @@ def demo_command(sub) -> None:
     demo.add_argument("--steps", type=at_least(1), default=240, help="training steps of each model")
     demo.add_argument("--out", default="runs/demo", help="report directory (a free name is chosen next to it)")
     demo.add_argument("--data", default="data/pydocs", help="where the built-in corpus is prepared (reused)")
+    demo.add_argument(
+        "--resume", action="store_true", help="continue the interrupted demo in --out (Ctrl-C saves both models)"
+    )
     threads_flag(demo)
 
 
