@@ -60,7 +60,7 @@ test: $(STAMP) lint
 	DIFFTX_REQUIRE_OPTIONAL=1 $(BIN)/python -m pytest -q
 	@$(HINT)
 
-# the fast tier (about 75 s on two idle cores, 2026-12-05): every test not marked slow
+# the fast tier (about 95 s on two idle cores, 2026-12-05): every test not marked slow
 test-quick: $(STAMP)
 	DIFFTX_REQUIRE_OPTIONAL=1 $(BIN)/python -m pytest -q -m "not slow"
 

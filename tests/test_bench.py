@@ -258,6 +258,7 @@ def test_a_t_beyond_the_memory_budget_is_a_result_not_a_crash():
 
 def test_a_context_figure_names_the_machine_that_measured_not_the_one_that_draws(tmp_path, monkeypatch):
     """#48: committed figures measured on a Xeon were titled with the EPYC that drew them again."""
+    optional("matplotlib")
     from difftransformer.apps import bench_context, figures
 
     titles = []
