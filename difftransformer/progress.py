@@ -59,12 +59,14 @@ class Progress:
         enabled: bool = True,
         stream=None,
         every_s: float = 30.0,
+        watch_pace: bool = False,
         expected: tuple[float, str] | None = None,
     ) -> None:
-        """``expected``: (units/s, what it is), a pace this work should reach here (e.g. measured on a reference
-        machine); the line says when the pace stays far below it, or below this line's own best pace."""
+        """``watch_pace``: the line says when the pace stays far below its own best (for work of equal units, such
+        as training steps; not for benchmarks whose calls differ); ``expected``: (units/s, what it is), a pace this
+        work should reach here (e.g. measured on a reference machine), watched the same way."""
         self.total, self.label, self.unit, self.enabled = max(1, total), label, unit, enabled
-        self.expected = expected
+        self.watch_pace, self.expected = watch_pace or expected is not None, expected
         self._best_rate = None  # the fastest smoothed pace once the smoothing has settled
         self._slow_since = None
         self.stream = sys.stderr if stream is None else stream
@@ -124,7 +126,7 @@ class Progress:
     def _slow_note(self, now: float) -> str:
         """'pace 3.1x below ...' when the smoothed pace has stayed SLOW times below the expected one (or this line's
         own best) for SLOW_FOR_S seconds; else ''."""
-        if self._rate is None:
+        if self._rate is None or not self.watch_pace:
             return ""
         if now - self.start >= TAU_S:
             self._best_rate = max(self._best_rate or 0.0, self._rate)

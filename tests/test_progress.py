@@ -215,7 +215,7 @@ def test_a_pace_that_stays_far_below_the_runs_best_is_named(clock):
     """#48: a run slowed 5x by other programs showed only a longer time left; the line says so once the slow pace
     has lasted SLOW_FOR_S, and stops saying it when the pace is back."""
     out = io.StringIO()
-    p = Progress(10_000, stream=out, every_s=0)
+    p = Progress(10_000, stream=out, every_s=0, watch_pace=True)
     _steps(p, clock, 1, 60, 1.0)  # 1 step/s for a minute: the best pace
     assert "pace" not in out.getvalue()
     _steps(p, clock, 61, 66, 5.0)  # 5 s a step: for 30 s the line says nothing yet
@@ -228,10 +228,19 @@ def test_a_pace_that_stays_far_below_the_runs_best_is_named(clock):
 
 def test_a_pause_such_as_a_validation_is_not_named_slow(clock):
     out = io.StringIO()
-    p = Progress(10_000, stream=out, every_s=0)
+    p = Progress(10_000, stream=out, every_s=0, watch_pace=True)
     _steps(p, clock, 1, 60, 1.0)
     clock.now += 25.0  # a 25 s validation, then the same pace
     _steps(p, clock, 61, 200, 1.0)
+    assert "below" not in out.getvalue()
+
+
+def test_work_of_unequal_units_is_not_watched_unless_asked(clock):
+    """A benchmark's calls differ (longer sequences take longer): its line never calls that slow."""
+    out = io.StringIO()
+    p = Progress(10_000, stream=out, every_s=0)
+    _steps(p, clock, 1, 60, 1.0)
+    _steps(p, clock, 61, 100, 10.0)
     assert "below" not in out.getvalue()
 
 

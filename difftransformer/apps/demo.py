@@ -132,11 +132,9 @@ def run_demo(
     run_dir = _resumed_dir(Path(out)) if resume else free_run_dir(Path(out))
     data_dir = demo_data(Path(data))
     if run_dir != Path(out):
-        earlier = (
-            "an interrupted demo (resume it: " + resume_command(Path(out)) + ")"
-            if interrupted(Path(out))
-            else ("an earlier demo")
-        )
+        earlier = "an earlier demo"
+        if interrupted(Path(out)):
+            earlier = f"an interrupted demo (resume it: {resume_command(Path(out))})"
         print(f"note: {out} holds {earlier}, kept as it is; this one writes {run_dir}", file=sys.stderr)
     trainers = {}
     default_shape = (seq_len, batch_size, eval_every) == (256, 16, 40)

@@ -243,7 +243,7 @@ class Trainer:
         self.optimizer = make_optimizer(self.model, cfg)
         self.step_idx = 0
         live = self.world.is_main and not self.quiet
-        self.progress = Progress(cfg.max_steps, f"train {self.run_dir.name}", enabled=live)
+        self.progress = Progress(cfg.max_steps, f"train {self.run_dir.name}", enabled=live, watch_pace=True)
         self.probe = self.val_windows[:PROBE_WINDOWS]
         if self.checkpoints:
             self._load_newest()
