@@ -103,3 +103,24 @@ def test_bench_loads_verdict_compares_the_default_with_the_best_and_the_old_defa
     result |= {"benchmark": "load", "dtype": "float32", "machine": {"cpu": "X", "torch": "2", "threads": 2}}
     result["shapes"] |= {"preset": "tiny", "attention": "diff", "batch": 16, "seq": 256, "cpus": [0, 1], "rounds": 1}
     assert "| one core busy | 2 threads, OpenMP's default | 1600 | 9.0 |" in format_load(result)
+
+
+@pytest.mark.slow
+def test_bench_load_runs_each_setting_as_it_says(monkeypatch):
+    """The benchmark's processes really run at the thread count and wait policy their rows name: torch reports the
+    threads, GNU OpenMP its spin count (300000 by default, 0 passive, 1000 as set). With OMP_WAIT_POLICY=PASSIVE in
+    this process's environment (as difftx sets it), the 'default' settings still run at OpenMP's default."""
+    from difftransformer.apps.bench_load import bench_load
+
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    result = bench_load(threads=2, preset="tiny", seq=16, batch=1, repeats=1, rounds=1)
+    seen = {row["setting"]: row["seen"] for row in result["rows"]}
+    assert seen == {
+        "1 thread, OpenMP's default": {"threads": 1, "spin_count": 300000},
+        "2 threads, OpenMP's default": {"threads": 2, "spin_count": 300000},
+        "1 thread, passive": {"threads": 1, "spin_count": 0},
+        "2 threads, passive": {"threads": 2, "spin_count": 0},
+        "2 threads, spin 1000": {"threads": 2, "spin_count": 1000},
+    }
+    assert {row["condition"] for row in result["rows"]} == {"idle", "one core busy"}
+    assert all(len(row["all_seconds"]) == 1 and row["seconds"] > 0 for row in result["rows"])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -49,6 +50,7 @@ def bench_load(
     from difftransformer.apps.bench import _Calls, _result
 
     times: dict[tuple[str, str, str], list[float]] = {}
+    seen: dict[str, dict] = {}  # what each setting's process ran with, as torch and OpenMP report it
     spec = {"preset": preset, "seq": seq, "batch": batch, "attention": attention, "repeats": repeats}
     with _Calls.tracking("load", rounds * len(CONDITIONS) * len(SETTINGS)):
         for r in range(rounds):
@@ -56,6 +58,7 @@ def bench_load(
                 for label, n, openmp in SETTINGS:
                     n = threads if n == "N" else n
                     seconds = _in_process({**spec, "threads": n}, openmp, busy=condition != "idle")
+                    seen[label] = seconds.pop("seen")
                     for work in WORKS:
                         times.setdefault((condition, label, work), []).extend(seconds[work])
                     _Calls.tick(f"round {r + 1}: {condition}, {_named(label, threads)}")
@@ -65,6 +68,7 @@ def bench_load(
             "setting": _named(label, threads),
             "threads": threads if n == "N" else n,
             "openmp": openmp,
+            "seen": seen[label],
             "work": work,
             "seconds": statistics.median(times[(condition, label, work)]),
             "all_seconds": times[(condition, label, work)],
@@ -85,7 +89,7 @@ def _in_process(spec: dict, openmp: dict[str, str], busy: bool) -> dict[str, lis
     """Run ``_time_steps(spec)`` in a fresh interpreter with the OpenMP environment ``openmp`` (the rest of it unset),
     beside a busy process if ``busy``; its step times."""
     env = {k: v for k, v in os.environ.items() if k not in (WAIT_POLICY, SPIN)}
-    env |= {"OMP_NUM_THREADS": str(spec["threads"])} | openmp
+    env |= {"OMP_NUM_THREADS": str(spec["threads"]), "OMP_DISPLAY_ENV": "VERBOSE"} | openmp  # OpenMP says its setting
     code = f"from difftransformer.apps.bench_load import _time_steps; _time_steps({json.dumps(spec)!r})"
     competitor = None
     if busy:
@@ -99,7 +103,10 @@ def _in_process(spec: dict, openmp: dict[str, str], busy: bool) -> dict[str, lis
             competitor.wait()
     if done.returncode != 0:
         raise RuntimeError(f"bench load: a measuring process failed:\n{done.stderr[-2000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    spin = re.search(r"GOMP_SPINCOUNT = '(\d+)'", done.stderr)  # GNU OpenMP's report; absent under another runtime
+    result["seen"]["spin_count"] = int(spin.group(1)) if spin else None
+    return result
 
 
 def _time_steps(spec_json: str) -> None:
@@ -126,7 +133,7 @@ def _time_steps(spec_json: str) -> None:
     model.eval()
     for _ in range(spec["repeats"]):  # each the mean of 8 decode steps (bench decode's loop)
         out["decode step"] += _decode_seconds(model, spec["seq"], 8)
-    print(json.dumps(out))
+    print(json.dumps({**out, "seen": {"threads": torch.get_num_threads()}}))
 
 
 def verdict(result: dict) -> list[str]:
