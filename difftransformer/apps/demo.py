@@ -168,7 +168,8 @@ def run_demo(
         "the DIFF model is the paper's V1 as published (each head's output RMS-normalised with gain 1, then scaled by "
         "1 - lambda_init); at small sizes the project's study found it behind the standard model (the numbers are "
         "printed at the end). No other setting is recommended for small models yet: the study's variant with the "
-        "per-head norm started at the matched gain (ModelConfig.head_norm_gain) tied in one regime, not yet in others"
+        "per-head norm started at the matched gain (ModelConfig.head_norm_gain) was not distinguishable from the "
+        "standard model in one regime, with tuning that disfavoured the standard model; it is being re-tested"
     )
     print(
         f"training each on {trainers['diff'].train_data.n_tokens:,} tokens of CPython documentation: {steps} steps "
