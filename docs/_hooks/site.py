@@ -57,7 +57,10 @@ def results_markdown() -> str:
         heading = lines[0].lstrip("# ").strip()
         first = next((p for p in lines[1:] if p.strip() and not p.lstrip().startswith(("|", "#", "!", "-", "**"))), "")
         where = section.parent.relative_to(ROOT)
-        label = (section.parent / "README.md").read_text(encoding="utf-8").strip()
+        about = section.parent / "README.md"
+        if not about.is_file():
+            raise ValueError(f"{about.relative_to(ROOT)} is missing: each report says what it can answer there")
+        label = about.read_text(encoding="utf-8").strip()
         parts.append(f"## {heading} (`{section.parent.name}`)\n\n{label}\n\n{first.strip()}\n\n"
                      f"The report: `{where}/section.md`.")  # fmt: skip
         parts += [f"![{figure.stem}]({figure.relative_to(ROOT)})" for figure in figures]
