@@ -111,15 +111,3 @@ def test_each_report_says_what_it_can_answer_and_a_failed_one_says_so_first(repo
         failed = _at_chance(result)
         assert label.startswith(NEVER_LEARNED) == failed, report
         assert (NEVER_LEARNED in (REPORTS / report / "section.md").read_text()) == failed, report
-
-
-def test_one_seed_is_never_given_a_spread():
-    """#48: "mean and sd over seeds" above one seed's numbers, "+- 0.000" in its cells, "1 random feature tokens"."""
-    from difftransformer.apps.repro import report
-
-    assert report.mean_sd([0.5]) == "0.500" and report.mean_sd([0.5, 0.7]) == "0.600 +- 0.141"
-    assert report.mean_std([0.5]) == "0.50" and report.mean_std([0.5, 0.7]) == "0.60 +- 0.14 (0.50-0.70)"
-    assert report.over_seeds([0]) == "One seed (0): its values, no spread."
-    assert report.over_seeds([0, 1, 2]) == "Mean +- standard deviation over the 3 seeds."
-    assert report.seeds_label([3]) == "seed 3 alone" and report.seeds_label([0, 1]) == "mean and sd over 2 seeds"
-    assert report.count(1, "random feature token") == "1 random feature token" and report.count(4, "shot") == "4 shots"
