@@ -1,5 +1,6 @@
-"""Every path a committed report, result or log cites exists (#48): reports once cited `reports/icl5` and
-`reports/needle5`, the scratch folders their models were made in, which no checkout has.
+"""What the committed reports say of themselves (#48): every path a report, result or log cites exists (reports once
+cited `reports/icl5` and `reports/needle5`, the scratch folders their models were made in, which no checkout has),
+and each report says what it can answer, a failed one first.
 
 A citation is a path in backticks or a Markdown link. Within the committed results (experiments/, benchmarks/results/)
 and the README, one that starts with a folder of the repository, or is relative to its own file, must exist; one with
