@@ -32,6 +32,7 @@ from difftransformer.errors import ConfigError, InputError, Interrupted, Trainin
 from difftransformer.fsutil import check_new_dir, shell, write_text_atomic
 from difftransformer.progress import Progress
 from difftransformer.store.checkpoint import (
+    PREFIX,
     SHARDED_TAG,
     checkpoint_tmp_dir,
     clean_stale,
@@ -182,7 +183,7 @@ class Trainer:
                 f"(difftx train --resume {shell(self.run_dir)}: it starts again from step 0) or remove it"
             )
         elif (newest := list_checkpoints(self.run_dir)) and (self.run_dir / TRAIN_CONFIG).is_file():
-            step = int(newest[-1].name.removeprefix("step_"))
+            step = int(newest[-1].name.removeprefix(PREFIX))
             raise FileExistsError(
                 f"run directory {self.run_dir} holds a run (at step {step}); to train it further: difftx train "
                 f"--resume {shell(self.run_dir)} --max-steps N; to start another run, choose another `out`"
