@@ -246,11 +246,13 @@ def markdown(result: dict) -> str:
             rows = [e["answers"][str(c)] for e in result["evals"] if e["attention"] == a]
             cells.append(" / ".join(f"{report.mean([r[kind] for r in rows]):.3f}" for kind in ANSWER_KINDS))
         lines.append(f"| {c} | {cells[0]} | {cells[1]} |")
+    seeds = result["seeds"]
+    over = "mean +- std over seeds, with their range" if len(seeds) > 1 else report.seeds_label(seeds)
     lines += [
         "",
         f"Order robustness, {opts['order_shots']} balanced demonstrations, the same episodes in "
         f"{result['order_seeds']} orders per arrangement: mean accuracy, and best minus worst accuracy over the "
-        "orders in points (mean +- std over seeds, with their range). Paper (TREC): random order standard 19.0 vs DIFF "
+        f"orders in points ({over}). Paper (TREC): random order standard 19.0 vs DIFF "
         "4.0; alternating by class 56.7 vs 13.4. Sampling error: the standard error of a seed's best minus worst "
         "accuracy as a paired difference on the same episodes (mean over seeds, points), and on how many seeds the "
         "spread is more than twice its standard error (larger than its sampling error).",

@@ -224,7 +224,7 @@ def markdown(result: dict) -> str:
         lines += [
             "",
             f"Distractor keys: N={n}, R={r}, with this share of the filler tokens replaced by random keys (without a "
-            f"MARK); trained with key noise {spec['task'].get('key_noise', 0.0)}. " + STRESS_COLUMNS,
+            f"MARK); trained with key noise {spec['task'].get('key_noise', 0.0)}. " + _stress_columns(seeds),
             "",
             *_stress_table(result, "by_key_noise", "key noise", {str(x): f"{x:.0%}" for x in levels}),
         ]
@@ -233,7 +233,7 @@ def markdown(result: dict) -> str:
         lines += [
             "",
             f"More needles than trained (N up to {max(_trained_needles(spec['task']))} in training): R={r}, the "
-            f"training length {spec['seq_len']}, the random-needle baseline 1/N in brackets. " + STRESS_COLUMNS,
+            f"training length {spec['seq_len']}, the random-needle baseline 1/N in brackets. " + _stress_columns(seeds),
             "",
             *_stress_table(result, "by_needles", "N", {str(m): f"{m} ({1 / m:.2f})" for m in more}),
         ]
@@ -249,11 +249,12 @@ def markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
-STRESS_COLUMNS = (
-    "Accuracy (mean +- standard deviation over seeds), DIFF minus standard paired by seed [95% t interval] and per "
-    "seed, the share of answers that are another needle's value, and the share not in the prompt at all "
-    "(contextual hallucinations):"
-)
+def _stress_columns(seeds: list[int]) -> str:
+    accuracy = "mean +- standard deviation over seeds" if len(seeds) > 1 else report.seeds_label(seeds)
+    return (
+        f"Accuracy ({accuracy}), DIFF minus standard paired by seed [95% t interval] and per seed, the share of "
+        "answers that are another needle's value, and the share not in the prompt at all (contextual hallucinations):"
+    )
 
 
 def _stress_table(result: dict, field: str, name: str, rows: dict[str, str]) -> list[str]:
@@ -337,10 +338,8 @@ def draw(result: dict, out: Path) -> None:
                 ax.text(j, i, f"{x:.2f}{spread}", ha="center", va="center",
                         color="w" if x < 0.6 else "k", fontsize=8, linespacing=1.3)  # fmt: skip
     fig.colorbar(im, ax=axes, label="accuracy (mean over seeds)")
-    title = "needle retrieval accuracy by context length and depth (" + (
-        "each cell: the mean; below it, the seeds' range)"
-        if len(result["seeds"]) > 1
-        else f"seed {result['seeds'][0]} alone)"
-    )
+    run_seeds = result["seeds"]
+    cells = "each cell: the mean; below it, the seeds' range" if len(run_seeds) > 1 else report.seeds_label(run_seeds)
+    title = f"needle retrieval accuracy by context length and depth ({cells})"
     figures.finish(fig, out / f"{TASK}_depth_length.png", title)
     report.plot_curves(result["runs"], out / f"{TASK}_curves.png", "accuracy, N=4 R=2", "needle retrieval")
