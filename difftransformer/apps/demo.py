@@ -21,6 +21,7 @@ from difftransformer.store import corpus
 from difftransformer.store.data import prepare, read_manifest
 from difftransformer.store.tokenizer import ByteTokenizer
 from difftransformer.threads import WAIT_POLICY, describe
+from difftransformer.training.interrupts import StopSignals
 from difftransformer.training.loop import TrainConfig, Trainer
 
 PROMPTS = ("Return the ", "The module ", "If the ")
@@ -272,7 +273,7 @@ def _stopped(trainers: dict[str, Trainer], run_dir: Path, err: BaseException) ->
         trainer.close()
     at = ", ".join(f"{NAMES[k]} at step {t.step_idx}" for k, t in trainers.items())
     signum = err.signum if isinstance(err, Interrupted) else int(signal.SIGINT)
-    return Interrupted(signum, f"stopped by {signal.Signals(signum).name}: the demo in {run_dir} is saved ({at}); "
+    return Interrupted(signum, f"stopped by {StopSignals.name(signum)}: the demo in {run_dir} is saved ({at}); "
                                f"resume it with: {resume_command(run_dir)}")  # fmt: skip
 
 
