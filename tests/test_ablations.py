@@ -104,8 +104,12 @@ def test_head_norm_gain_scales_only_the_initial_norm_weight_and_so_each_attentio
 @pytest.mark.parametrize(
     "options",
     [
-        dict(attention="standard", head_norm=True, head_norm_gain=0.5),
+        dict(attention="standard", head_norm_gain=0.5),
+        dict(attention="standard", head_norm_gain="matched"),
         dict(attention="diff_v2", head_norm_gain=0.5),
+        dict(attention="diff_v2", head_norm_gain="matched"),
+        dict(head_norm=False, head_norm_gain="matched"),
+        dict(head_norm_gain="Matched"),
         dict(head_norm=False, head_norm_gain=0.5),
         dict(head_norm_gain=0.0),
         dict(head_norm_gain=-1.0),

@@ -89,7 +89,17 @@ def decode_logits(model, tokens, padding):
     return torch.cat(out, 1)
 
 
-@pytest.mark.parametrize("overrides", [{}, {"head_norm": False}, {"n_kv_heads": 2}, {"head_norm_gain": 0.1}], ids=str)
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},
+        {"head_norm": False},
+        {"n_kv_heads": 2},
+        {"head_norm_gain": 0.1},
+        {"head_norm_gain": 0.1, "head_norm_gain_fixed": True},
+    ],
+    ids=str,
+)
 def test_decode_steps_through_the_fused_layer_equal_the_materialised_method(kernel, monkeypatch, overrides):
     model = tiny(**overrides)
     tokens = torch.randint(0, model.config.vocab_size, (2, 26), generator=torch.Generator().manual_seed(2))

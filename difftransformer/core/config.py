@@ -45,11 +45,15 @@ class ModelConfig:
     d_model / n_heads; "all" uses n_heads differential heads of half that size, as many heads as the standard
     model, with the same parameter count).
 
-    One option changes only the initialisation, and is this library's, not the paper's: ``head_norm_gain`` (``diff``
-    with its per-head norm only: None or 1.0 start the norm's weight at 1, as the paper does; another positive number
-    starts it there, which scales every attention block's output at initialisation by that number; the architecture,
-    the parameter count and the Hugging Face form are the paper's). ``difftx repro lm --part long`` measures the
-    gain at which DIFF's attention blocks start with the standard model's output RMS.
+    One option changes only the initialisation, and is this library's, not the paper's: ``head_norm_gain``, the
+    initial weight of the per-head norm (``diff`` with its norm, or ``standard`` with ``head_norm=True``). None or 1.0
+    start it at 1, as the paper does; a positive number starts every layer's there; ``"matched"`` starts each layer at
+    the gain that gives its attention block the standard model's output RMS at initialisation, computed from this
+    configuration for text (``difftransformer.core.head_norm_gain``; docs/guide/modules.md) whose tokens coincide
+    with probability ``head_norm_collision`` (None: Zipf's law over the vocabulary). The architecture, the
+    parameter count and the Hugging Face form are the paper's. ``head_norm_gain_fixed=True`` instead keeps the
+    weight at 1 and multiplies the norm's output by the gain as a constant (the same initial scale, not learned: a
+    control for the study of ``difftx repro lm --part norm``; an architecture change, so it does not convert).
 
     Examples:
         >>> cfg = ModelConfig.preset("small")  # the paper's matched pair: flip `attention`
@@ -82,7 +86,9 @@ class ModelConfig:
     head_norm: bool | None = None
     lambda_init: float | None = None
     diff_heads: str = "half"
-    head_norm_gain: float | None = None
+    head_norm_gain: float | str | None = None
+    head_norm_gain_fixed: bool = False
+    head_norm_collision: float | None = None
 
     def __post_init__(self) -> None:
         if self.rope_scaling is not None and isinstance(self.rope_scaling, dict):
@@ -153,13 +159,24 @@ class ModelConfig:
         for name, default in (("lambda_init", None), ("diff_heads", "half")):
             if getattr(self, name) != default and self.attention != "diff":
                 check.fail(name, f"applies to attention 'diff' only (this model has {self.attention!r})")
-        check.number("head_norm_gain", 0, 1e3, low_open=True, optional=True)
-        if self.head_norm_gain is not None and (self.attention != "diff" or self.head_norm is False):
+        if self.head_norm_gain != "matched":
+            check.number("head_norm_gain", 0, 1e3, low_open=True, optional=True, hint=" or 'matched'")
+        normed = self.head_norm is not False if self.attention == "diff" else self.head_norm is True
+        if self.head_norm_gain is not None and not normed:
             check.fail(
                 "head_norm_gain",
-                "is the initial weight of the per-head norm of 'diff' attention; this model has "
-                + ("no per-head norm (head_norm False)" if self.attention == "diff" else f"{self.attention!r}"),
+                "is the initial weight of the per-head norm, but this model has none ("
+                + (f"attention {self.attention!r}" if self.attention != "diff" else "head_norm False")
+                + "); use 'diff', or 'standard' with head_norm True",
             )
+        check.boolean("head_norm_gain_fixed")
+        check.number("head_norm_collision", 0, 1, optional=True)
+        if self.head_norm_collision is not None and self.head_norm_gain != "matched":
+            check.fail(
+                "head_norm_collision", "is the token statistic of head_norm_gain 'matched'; set that too, or drop it"
+            )
+        if self.head_norm_gain_fixed and self.head_norm_gain is None:
+            check.fail("head_norm_gain_fixed", "makes `head_norm_gain` a constant factor, so it needs a head_norm_gain")
         if self.attention == "diff" and self.diff_heads == "all" and (self.d_model // self.n_heads) % 2:
             check.fail(
                 "diff_heads",
@@ -197,7 +214,23 @@ class ModelConfig:
     @property
     def is_ablation(self) -> bool:
         """Whether an ablation option departs from the paper's architecture."""
-        return self.head_norm is not None or self.lambda_init is not None or self.diff_heads != "half"
+        return (
+            self.head_norm is not None
+            or self.lambda_init is not None
+            or self.diff_heads != "half"
+            or self.head_norm_gain_fixed
+        )
+
+    def head_norm_gains(self) -> tuple[float, ...] | None:
+        """The per-layer gain of the per-head norm (``head_norm_gain`` resolved; ``"matched"`` computed by
+        ``head_norm_gain.matched_gains``), or None when the norm starts at 1 (None or no norm)."""
+        if self.head_norm_gain is None:
+            return None
+        if self.head_norm_gain == "matched":
+            from difftransformer.core.head_norm_gain import matched_gains
+
+            return matched_gains(self)
+        return (float(self.head_norm_gain),) * self.n_layers
 
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> ModelConfig:

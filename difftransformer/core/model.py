@@ -98,6 +98,7 @@ class TransformerLM(nn.Module):
             if isinstance(module, RMSNorm):
                 module.reset_parameters()
         for block in self.layers:
+            block.attn.reset_head_norm()  # a per-head norm's initial gain (ModelConfig.head_norm_gain)
             for name, module in block.named_modules():
                 if isinstance(module, nn.Linear):
                     gen = attention if name.startswith("attn.") else shared

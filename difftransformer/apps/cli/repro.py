@@ -40,10 +40,12 @@ def repro_command(sub) -> None:
     repro.add_argument(
         "--part",
         nargs="+",
-        choices=["sweep", "grid", "ablations", "long"],
+        choices=["sweep", "grid", "ablations", "long", "norm"],
         help="lm: the parts to run (default sweep grid ablations, in order; grid and ablations need the sweep's "
         "result); long: the long-budget comparison of DIFF V1, its ablation, V2 and the baseline at 20 tokens per "
-        "parameter (hours on CPU; not in the default)",
+        "parameter (hours on CPU; not in the default); norm: the per-head norm's initial scale "
+        "(ModelConfig.head_norm_gain) and its confounds at that size, every variant tuned at the whole budget "
+        "(hours; not in the default)",
     )
     repro.add_argument(
         "--logit-bits",

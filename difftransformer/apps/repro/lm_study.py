@@ -10,7 +10,7 @@ import dataclasses
 import time
 from pathlib import Path
 
-from difftransformer.apps.repro import lm, lm_long, lm_report
+from difftransformer.apps.repro import lm, lm_long, lm_norm, lm_report
 from difftransformer.devices import device_problem
 from difftransformer.errors import InputError
 
@@ -78,6 +78,32 @@ def run_long(
             total = lm.add_time(out, name, time.perf_counter() - start)
         print(f"difftx repro lm: {name} done, {total / 60:.1f} min in all", flush=True)
     return lm_report.write_study(out)
+
+
+def run_norm(
+    out: str | Path,
+    scale: str = "cpu",
+    workers: int | None = None,
+    steps: int | None = None,
+    corpora: list[str | Path] | None = None,
+    log_to: str = "jsonl",
+) -> dict:
+    """Run (or continue) the norm part (``lm_norm``) into ``out``; returns its tuning state."""
+    plan, out, corpora = _checked(lm_norm.PLANS, scale, steps, 1, out, corpora)
+    lm_norm.open_norm(out, plan)
+    data = lm.ensure_data(out, plan, corpora)
+    workers = plan.workers if workers is None else workers
+    plan = lm_norm.decided_plan(plan)
+    stages = (("norm-tune", lambda: lm_norm.tune_stage(plan, out, data, workers, log_to)),
+              ("norm-final", lambda: lm_norm.final_stage(plan, out, data, workers, log_to)))  # fmt: skip
+    for name, stage in stages:
+        start = time.perf_counter()
+        try:
+            stage()
+        finally:
+            total = lm.add_time(out, name, time.perf_counter() - start)
+        print(f"difftx repro lm: {name} done, {total / 60:.1f} min in all", flush=True)
+    return lm_norm.tuning(plan, lm.read_measures(out))
 
 
 def _checked(plans: dict, scale: str, steps: int | None, short: int, out, corpora):

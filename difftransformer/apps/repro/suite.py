@@ -80,14 +80,16 @@ def run(
         elif name == "quant":
             source = Path(models) if models else (out / "lm" if what == "all" else None)
             module.run(target, scale, seed_list, workers or 2, steps, models=source)
-        elif name == "lm":  # the short-budget parts (all three by default), then the long part when asked for
+        elif name == "lm":  # the short-budget parts (all three by default), then the long and norm parts when asked for
             from difftransformer.apps.repro import lm_study
 
-            short = tuple(p for p in parts or module.PARTS if p != "long")
+            short = tuple(p for p in parts or module.PARTS if p not in ("long", "norm"))
             if short:
                 lm_study.run(target, scale, short, seed_list, workers, steps, corpora, log_to)
             if parts and "long" in parts:
                 lm_study.run_long(target, scale, seed_list, workers, steps, corpora, log_to)
+            if parts and "norm" in parts:
+                lm_study.run_norm(target, scale, workers, steps, corpora, log_to)
         else:
             source = Path(models) if models and what == name else None
             result = module.run(target, scale, seed_list, workers or 2, steps, logit_bits=logit_bits, models=source)

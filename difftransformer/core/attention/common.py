@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -34,7 +35,11 @@ class KVStore(Protocol):
 
 
 class AttentionBase(nn.Module):
-    """Arguments shared by the attention variants: sizes, checks, rotary settings, causality."""
+    """Arguments shared by the attention variants: sizes, checks, rotary settings, causality; the initial gain of
+    a per-head norm (``subln``) for the variants that have one."""
+
+    head_norm_gain = 1.0
+    head_norm_gain_fixed = False
 
     def __init__(
         self,
@@ -70,13 +75,39 @@ class AttentionBase(nn.Module):
             cfg.attention_kv_heads,
             rope_theta=cfg.rope_theta,
             rope_scaling=cfg.rope_scaling,
-            **cls._config_options(cfg),
+            **cls._config_options(cfg, layer_idx),
         )
 
     @classmethod
-    def _config_options(cls, cfg: ModelConfig) -> dict:
-        """The keyword arguments of this variant's own options, from the model config (none by default)."""
+    def _config_options(cls, cfg: ModelConfig, layer_idx: int) -> dict:
+        """The keyword arguments of this variant's own options for layer ``layer_idx``, from the model config (none
+        by default)."""
         return {}
+
+    def _set_head_norm_gain(self, gain: float | None, fixed: bool) -> None:
+        """The per-head norm's initial weight ``gain`` (None: 1), or with ``fixed`` a constant factor ``gain`` on
+        its output and the weight at 1 (``head_scale``); needs the norm (``subln``)."""
+        if gain is None and fixed:
+            raise InputError("head_norm_gain_fixed needs a head_norm_gain")
+        if gain is not None and not (getattr(self, "subln", None) is not None and 0 < gain < math.inf):
+            raise InputError(f"head_norm_gain is a positive number, with head_norm=True; got {gain!r}")
+        self.head_norm_gain = 1.0 if gain is None else float(gain)
+        self.head_norm_gain_fixed = bool(fixed)
+
+    @property
+    def head_scale(self) -> float:
+        """The constant factor on the per-head norm's output: the fixed gain, or 1."""
+        return self.head_norm_gain if self.head_norm_gain_fixed else 1.0
+
+    def reset_head_norm(self) -> None:
+        """Reset the per-head norm's weight to its initial value: ``head_norm_gain``, or 1 with a fixed gain."""
+        norm = getattr(self, "subln", None)
+        if norm is None:
+            return
+        norm.reset_parameters()
+        if not self.head_norm_gain_fixed and self.head_norm_gain != 1.0:
+            with torch.no_grad():
+                norm.weight.fill_(self.head_norm_gain)
 
     def cache_shapes(self, batch: int, slots: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """Shapes of this layer's cached keys and values, (B, Hkv, L, d) each (differential V1 overrides it)."""

@@ -20,7 +20,6 @@ v_proj rows (Hkv, 2d). Query head h reads key/value group h // (H // Hkv) for bo
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import torch
@@ -32,25 +31,10 @@ from difftransformer.core.attention.gqa_layout import warn_unknown_pairing
 from difftransformer.core.attention.kernels import DECODE_ROWS, attention_probs, diff_method, softmax_dtype
 from difftransformer.core.attention.logits import active_probe
 from difftransformer.core.config import DIFF_IMPLS, ModelConfig
+from difftransformer.core.lambda_init import lambda_init_fn
 from difftransformer.core.layers import RMSNorm, bypassable, head_norm_project
 from difftransformer.core.rotary import apply_rotary
 from difftransformer.errors import InputError
-
-
-def lambda_init_fn(layer_idx: int) -> float:
-    """The paper's lambda_init schedule, ``0.8 - 0.6 exp(-0.3 layer_idx)``, with layer_idx counted from 0.
-
-    Args:
-        layer_idx: the layer's index, from 0.
-
-    Returns:
-        The layer's lambda_init.
-
-    Examples:
-        >>> [round(lambda_init_fn(layer), 4) for layer in range(4)]
-        [0.2, 0.3555, 0.4707, 0.5561]
-    """
-    return 0.8 - 0.6 * math.exp(-0.3 * layer_idx)
 
 
 def differential_attention(
@@ -128,6 +112,7 @@ class MultiheadDiffAttn(AttentionBase):
         head_norm: False drops the per-head RMSNorm (the paper's ablation; the 1 - lambda_init factor stays).
         lambda_init: a constant lambda_init instead of the layer schedule.
         head_norm_gain: the initial weight of the per-head norm (1 in the paper; this library's option).
+        head_norm_gain_fixed: keep the weight at 1 and multiply the norm's output by ``head_norm_gain``, a constant.
 
     Examples:
         >>> import torch
@@ -155,6 +140,7 @@ class MultiheadDiffAttn(AttentionBase):
         head_norm: bool = True,
         lambda_init: float | None = None,
         head_norm_gain: float | None = None,
+        head_norm_gain_fixed: bool = False,
     ) -> None:
         what = "two half-heads per differential head"
         super().__init__(embed_dim, num_heads, layer_idx, num_kv_heads, rope_theta, causal, 2, what, rope_scaling)
@@ -170,9 +156,7 @@ class MultiheadDiffAttn(AttentionBase):
         self.lambda_q2 = nn.Parameter(torch.empty(d, dtype=torch.float32))
         self.lambda_k2 = nn.Parameter(torch.empty(d, dtype=torch.float32))
         self.subln = RMSNorm(2 * d, eps=norm_eps) if head_norm else None
-        if head_norm_gain is not None and not (self.subln is not None and 0 < head_norm_gain < math.inf):
-            raise InputError(f"head_norm_gain is a positive number, with head_norm=True; got {head_norm_gain!r}")
-        self.head_norm_gain = 1.0 if head_norm_gain is None else float(head_norm_gain)
+        self._set_head_norm_gain(head_norm_gain, head_norm_gain_fixed)
         self.reset_lambda()
 
     @property
@@ -186,7 +170,7 @@ class MultiheadDiffAttn(AttentionBase):
         self._impl = impl
 
     @classmethod
-    def _config_options(cls, cfg: ModelConfig) -> dict:
+    def _config_options(cls, cfg: ModelConfig, layer_idx: int) -> dict:
         """The matched pair (docs/paper.md section 2) is in the config's sizes: half the standard heads and groups,
         same head size (with ``diff_heads="all"``: as many heads and groups as the standard model, of half its head
         size)."""
@@ -195,18 +179,15 @@ class MultiheadDiffAttn(AttentionBase):
             impl=cfg.attn_impl,
             head_norm=cfg.head_norm is not False,
             lambda_init=cfg.lambda_init,
-            head_norm_gain=cfg.head_norm_gain,
+            head_norm_gain=None if (gains := cfg.head_norm_gains()) is None else gains[layer_idx],
+            head_norm_gain_fixed=cfg.head_norm_gain_fixed,
         )
 
     def reset_lambda(self, generator: torch.Generator | None = None) -> None:
         """Re-draw the four lambda vectors from N(0, 0.1) and reset the per-head norm's weight to ``head_norm_gain``."""
         for p in (self.lambda_q1, self.lambda_k1, self.lambda_q2, self.lambda_k2):
             nn.init.normal_(p, mean=0.0, std=0.1, generator=generator)
-        if self.subln is not None:
-            self.subln.reset_parameters()
-            if self.head_norm_gain != 1.0:
-                with torch.no_grad():
-                    self.subln.weight.fill_(self.head_norm_gain)
+        self.reset_head_norm()
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, *args, **kwargs) -> None:
         version = (local_metadata or {}).get("version") or 0
@@ -255,7 +236,7 @@ class MultiheadDiffAttn(AttentionBase):
         else:  # the same A by the exact method chosen at construction, without holding the maps
             attn = self.method(q, k, v, lam, scale=self.scaling, causal=causal, mask=mask)
         if self.subln is not None:  # out_proj(RMSNorm(A) * (1 - lambda_init)), the factor folded into the norm's weight
-            out = head_norm_project(attn, self.subln, 1 - self.lambda_init, self.out_proj)
+            out = head_norm_project(attn, self.subln, (1 - self.lambda_init) * self.head_scale, self.out_proj)
         else:  # the ablation without the per-head norm keeps the factor
             out = self.out_proj((attn * (1 - self.lambda_init)).transpose(1, 2).reshape(b, t, -1))
         return (out, weights) if need_weights else out

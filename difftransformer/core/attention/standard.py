@@ -31,6 +31,8 @@ class MultiheadAttention(AttentionBase):
         head_norm: True adds DIFF's per-head RMSNorm (one weight of the head size shared by the heads) to each
             head's output, for the paper's ablation; the standard model has none.
         norm_eps: that norm's epsilon.
+        head_norm_gain: that norm's initial weight (None: 1).
+        head_norm_gain_fixed: keep the weight at 1 and multiply the norm's output by ``head_norm_gain``, a constant.
 
     Examples:
         >>> import torch
@@ -50,6 +52,8 @@ class MultiheadAttention(AttentionBase):
         rope_scaling: dict | None = None,
         head_norm: bool = False,
         norm_eps: float = 1e-5,
+        head_norm_gain: float | None = None,
+        head_norm_gain_fixed: bool = False,
     ) -> None:
         what = "one head of size embed_dim/num_heads"
         super().__init__(embed_dim, num_heads, layer_idx, num_kv_heads, rope_theta, causal, 1, what, rope_scaling)
@@ -59,10 +63,18 @@ class MultiheadAttention(AttentionBase):
         self.v_proj = nn.Linear(embed_dim, num_kv_heads * d, bias=False)
         self.out_proj = nn.Linear(num_heads * d, embed_dim, bias=False)
         self.subln = RMSNorm(d, eps=norm_eps) if head_norm else None
+        self._set_head_norm_gain(head_norm_gain, head_norm_gain_fixed)
+        self.reset_head_norm()
 
     @classmethod
-    def _config_options(cls, cfg: ModelConfig) -> dict:
-        return dict(head_norm=bool(cfg.head_norm), norm_eps=cfg.norm_eps)
+    def _config_options(cls, cfg: ModelConfig, layer_idx: int) -> dict:
+        gains = cfg.head_norm_gains()
+        return dict(
+            head_norm=bool(cfg.head_norm),
+            norm_eps=cfg.norm_eps,
+            head_norm_gain=None if gains is None else gains[layer_idx],
+            head_norm_gain_fixed=cfg.head_norm_gain_fixed,
+        )
 
     def forward(
         self,
@@ -85,7 +97,7 @@ class MultiheadAttention(AttentionBase):
             q, k, v, scale=self.scaling, causal=causal_of(self, cache), mask=mask, need_weights=need_weights
         )
         if self.subln is not None:
-            out = head_norm_project(attn, self.subln, 1.0, self.out_proj)
+            out = head_norm_project(attn, self.subln, self.head_scale, self.out_proj)
         else:
             out = self.out_proj(attn.transpose(1, 2).reshape(b, t, self.num_heads * d))
         return (out, weights) if need_weights else out

@@ -1,0 +1,234 @@
+"""ModelConfig(head_norm_gain="matched"): the per-layer initial weight of the per-head norm that gives the attention
+blocks the standard model's output RMS at initialisation (difftransformer.core.head_norm_gain). Held against what
+real models of every preset measure, on random tokens and on the built-in corpus (a 2048-token BPE, as the
+language-model study trains on); its closed form checked where one exists; the option and its fixed-constant form
+validated, built and kept through a re-initialisation."""
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from difftransformer.core.config import PRESETS, ModelConfig
+from difftransformer.core.head_norm_gain import averaged_value_rms, matched_gains, token_collision, zipf_collision
+from difftransformer.core.model import TransformerLM, count_parameters
+from difftransformer.errors import ConfigError, InputError
+
+BASE = dict(vocab_size=97, d_model=64, n_layers=3, n_heads=4, max_seq_len=32)
+LOW, HIGH = 0.8, 1.25  # the band issue #49 asks of the measured / computed gain, every layer
+STUDY_SIZES = {"X": dict(d_model=64, n_layers=5, n_heads=2, max_seq_len=512)}  # the norm study's size (lm_norm)
+
+
+def attention_rms(model, tokens):
+    rms = {}
+    hooks = [
+        b.attn.register_forward_hook(lambda m, a, out, i=i: rms.__setitem__(i, out.double().pow(2).mean().sqrt()))
+        for i, b in enumerate(model.layers)
+    ]
+    with torch.no_grad():
+        model(tokens)
+    for h in hooks:
+        h.remove()
+    return [float(rms[i]) for i in range(len(model.layers))]
+
+
+def prefix_model(config, layers, seed):
+    """The first ``layers`` blocks of ``config``'s model as the whole model initialises them (residual projections at
+    init_std / sqrt(2 n_layers) of the whole depth), at norm weight 1."""
+    torch.manual_seed(seed)
+    model = TransformerLM(dataclasses.replace(config, n_layers=layers, head_norm_gain=None, head_norm_collision=None))
+    with torch.no_grad():
+        for block in model.layers:
+            for proj in (block.attn.out_proj, block.ffn.down_proj):
+                proj.weight.mul_(math.sqrt(layers / config.n_layers))
+    return model
+
+
+def measured_over_rule(config, tokens, collision, layers, seed=0):
+    """Per layer: (standard block RMS / DIFF block RMS at norm weight 1) / the rule's gain. The DIFF block's output
+    is linear in its norm's weight, so the first ratio is the weight that matches the two."""
+    plain = dataclasses.replace(config, head_norm_gain=None, head_norm_collision=None)
+    std = attention_rms(prefix_model(dataclasses.replace(plain, attention="standard"), layers, seed), tokens)
+    diff = attention_rms(prefix_model(config, layers, seed), tokens)
+    rule = matched_gains(config, collision)[:layers]
+    return [s / d / g for s, d, g in zip(std, diff, rule, strict=True)]
+
+
+@pytest.fixture(scope="module")
+def corpus_bpe(tmp_path_factory):
+    from difftransformer.store import corpus
+    from difftransformer.store.tokenizer import train_bpe
+
+    tokenizer = train_bpe(corpus.pydocs_documents(), 2048, tmp_path_factory.mktemp("bpe") / "tok")
+    return torch.tensor(tokenizer.encode("".join(corpus.pydocs_documents())), dtype=torch.long)
+
+
+def _configs():
+    fast = {"tiny", "small"}
+    out = []
+    for name in PRESETS:
+        big = PRESETS[name]["d_model"] > 768
+        marks = [] if name in fast else [pytest.mark.slow]
+        out.append(pytest.param(name, 3 if big else None, id=name + ("-first-3-layers" if big else ""), marks=marks))
+    out += [pytest.param(name, None, id=name, marks=[pytest.mark.slow]) for name in STUDY_SIZES]
+    return out
+
+
+def _config(name):
+    if name in STUDY_SIZES:
+        return ModelConfig(vocab_size=2048, **STUDY_SIZES[name])
+    return ModelConfig.preset(name, vocab_size=2048)
+
+
+@pytest.mark.parametrize("name, layers", _configs())
+def test_the_rule_gives_every_layer_the_standard_models_attention_rms(name, layers, corpus_bpe):
+    """Within 0.8-1.25 of the measured matched gain at every layer (geometric mean over 3 seeds: the rule is the
+    expected RMS, and one model of width 64 strays from it by up to 20%; the first 3 layers of the paper's sizes,
+    built as in the whole model), on random tokens and on the built-in corpus, the rule told each stream's collision
+    probability (1 / vocabulary; token_collision of the corpus's windows). The gains span a factor of up to 20 over
+    depth, so a rule without depth could not pass. The Zipf default: test_the_zipf_default_holds_on_the_corpus_at_the_
+    studys_sizes."""
+    config = _config(name)
+    t, layers = config.max_seq_len, layers or config.n_layers
+    g = torch.Generator().manual_seed(0)
+    random = torch.randint(0, 2048, (2, t), generator=g)
+    text = corpus_bpe[: 2 * t].view(2, t)
+    for label, tokens, collision in (("random", random, 1 / 2048), ("corpus", text, token_collision(text))):
+        seeds = [measured_over_rule(config, tokens, collision, layers, seed) for seed in range(3)]
+        ratios = [math.exp(sum(math.log(r) for r in layer) / 3) for layer in zip(*seeds, strict=True)]
+        assert all(LOW <= r <= HIGH for r in ratios), (label, [round(r, 3) for r in ratios])
+
+
+@pytest.mark.parametrize("name", ["tiny", "small", pytest.param("X", marks=pytest.mark.slow)])
+def test_the_zipf_default_holds_on_the_corpus_at_the_studys_sizes(name, corpus_bpe):
+    """The data-free default (Zipf's law, 0.024 for 2048 tokens against the corpus's 0.015) within the band at the
+    sizes the study and the demo train; at context 1024 and more its first layers fall to 0.76 (docs/guide/modules.md:
+    set head_norm_collision there)."""
+    config = dataclasses.replace(_config(name), head_norm_gain="matched")
+    t = config.max_seq_len
+    text = corpus_bpe[: 2 * t].view(2, t)
+    assert 0.008 < token_collision(text) < 0.02 < zipf_collision(2048)
+    seeds = [measured_over_rule(config, text, None, config.n_layers, seed) for seed in range(3)]
+    ratios = [math.exp(sum(math.log(r) for r in layer) / 3) for layer in zip(*seeds, strict=True)]
+    assert all(LOW <= r <= HIGH for r in ratios), [round(r, 3) for r in ratios]
+
+
+def test_token_collision_counts_equal_pairs():
+    tokens = torch.tensor([[1, 1, 2, 3], [5, 5, 5, 5]])
+    assert token_collision(tokens) == pytest.approx((2 / 12 + 12 / 12) / 2)  # 2 of 12 ordered pairs; all 12
+    with pytest.raises(ValueError, match="positions"):
+        token_collision(torch.tensor([[1]]))
+    config = ModelConfig(**BASE, head_norm_gain="matched", head_norm_collision=0.5)
+    assert config.head_norm_gains() == matched_gains(ModelConfig(**BASE), 0.5)
+    with pytest.raises(ConfigError) as err:
+        ModelConfig(**BASE, head_norm_collision=0.5)
+    assert err.value.field == "head_norm_collision"
+
+
+@pytest.mark.parametrize("init_std", [0.02, 0.2])
+def test_the_first_layer_has_the_closed_form_of_independent_tokens(init_std):
+    """Tokens that never coincide give the first layer T independent unit vectors (shrunk by the RMSNorm's epsilon
+    to mean square c). A head at position t weighs its n = t + 1 positions by the softmax of logits of variance
+    v = (init_std^2 D)^2, whose squared weights sum to pi_n = e^v / (n + e^v - 1): the mean square of its output is
+    c pi_n (c / n, the causal mean, at v = 0), so rho^2 = c mean_n pi_n; derived by hand."""
+    config = ModelConfig(**{**BASE, "init_std": init_std})
+    std2, eps, t = init_std**2, config.norm_eps, config.max_seq_len
+    v = (std2 * config.d_model) ** 2
+    c = std2 / (std2 + eps)
+    expected = math.sqrt(c * sum(math.exp(v) / (n + math.exp(v) - 1) for n in range(1, t + 1)) / t)
+    assert averaged_value_rms(config, 0.0)[0] == pytest.approx(expected, rel=1e-9)
+    lam0 = 0.8 - 0.6 * math.exp(0)
+    gain = matched_gains(config, 0.0)[0]
+    assert gain == pytest.approx(init_std * math.sqrt(config.d_model) * expected / (1 - lam0), rel=1e-9)
+    standard = matched_gains(dataclasses.replace(config, attention="standard", head_norm=True), 0.0)[0]
+    assert standard == pytest.approx(gain * (1 - lam0), rel=1e-9)  # no 1 - lambda_init without lambda
+
+
+def test_tokens_that_always_coincide_give_a_mean_of_one_vector():
+    """Every position the same token: the causal mean is that one unit vector, RMS 1 (less the epsilon)."""
+    config = ModelConfig(**BASE)
+    std2 = config.init_std**2
+    assert averaged_value_rms(config, 1.0)[0] == pytest.approx(math.sqrt(std2 / (std2 + config.norm_eps)), rel=1e-9)
+
+
+def test_zipf_collision_is_the_sum_of_squared_frequencies():
+    for v in (1, 2, 257):
+        h = sum(1 / k for k in range(1, v + 1))
+        assert zipf_collision(v) == pytest.approx(sum((1 / k / h) ** 2 for k in range(1, v + 1)), rel=1e-12)
+    assert zipf_collision(1) == 1.0
+
+
+def test_gains_grow_with_depth_and_with_text_and_the_option_builds_them():
+    config = ModelConfig.preset("small", head_norm_gain="matched")
+    gains = config.head_norm_gains()
+    assert len(gains) == config.n_layers and all(a < b for a, b in zip(gains, gains[1:], strict=False))
+    random = matched_gains(config, 1 / config.vocab_size)
+    assert all(a > b for a, b in zip(gains, random, strict=True))  # text repeats tokens
+    model = TransformerLM(config)
+    for gain, block in zip(gains, model.layers, strict=True):
+        assert torch.all(block.attn.subln.weight == torch.tensor(gain, dtype=torch.float32))
+    model.reset_parameters(3)
+    for gain, block in zip(gains, model.layers, strict=True):
+        assert torch.all(block.attn.subln.weight == torch.tensor(gain, dtype=torch.float32))
+    standard = TransformerLM(ModelConfig.preset("small", attention="standard", head_norm=True, head_norm_gain=0.25))
+    assert all(torch.all(b.attn.subln.weight == 0.25) for b in standard.layers)
+    assert count_parameters(config) == count_parameters(ModelConfig.preset("small"))  # built on the meta device too
+
+
+def test_matched_saves_as_the_option_and_reloads_to_the_same_weights(tmp_path):
+    config = ModelConfig(**BASE, head_norm_gain="matched")
+    again = ModelConfig.from_json(config.to_json(tmp_path / "c.json"))
+    assert again == config and again.head_norm_gains() == config.head_norm_gains()
+
+
+def test_a_fixed_gain_starts_as_the_learned_one_but_keeps_weight_one():
+    """head_norm_gain_fixed: the same function at initialisation (the forward, the lean training path, generation;
+    the fused decode step in test_decode_kernel), the weight at 1, the gain a constant; the learned weight then moves
+    lr per step against the fixed one's lr / gain (Adam), so one step apart the two models differ."""
+    torch.manual_seed(0)
+    learned = TransformerLM(ModelConfig(**BASE, head_norm_gain="matched"))
+    torch.manual_seed(0)
+    fixed = TransformerLM(ModelConfig(**BASE, head_norm_gain="matched", head_norm_gain_fixed=True))
+    assert fixed.config.is_ablation and not learned.config.is_ablation
+    assert all(torch.all(b.attn.subln.weight == 1) for b in fixed.layers)
+    x = torch.randint(0, 97, (2, 20), generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(fixed.train()(x), learned.train()(x), rtol=1e-5, atol=1e-6)
+    with torch.no_grad():
+        torch.testing.assert_close(fixed.eval()(x), learned.eval()(x), rtol=1e-5, atol=1e-6)
+    from difftransformer.inference.generate import generate
+
+    prompt = x[:1, :5]
+    a = generate(fixed, prompt, max_new_tokens=6, temperature=0.0)
+    b = generate(learned, prompt, max_new_tokens=6, temperature=0.0)
+    assert a == b
+    for model in (learned, fixed):
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        model.train()(x).float().square().mean().backward()
+        opt.step()
+    with torch.no_grad():
+        assert not torch.allclose(fixed.eval()(x), learned.eval()(x), rtol=1e-4, atol=1e-5)
+
+
+def test_a_fixed_gain_needs_a_gain_and_the_module_checks_it_too():
+    with pytest.raises(ConfigError) as err:
+        ModelConfig(**BASE, head_norm_gain_fixed=True)
+    assert err.value.field == "head_norm_gain_fixed"
+    from difftransformer.core.attention import MultiheadDiffAttn
+
+    with pytest.raises(InputError, match="head_norm_gain_fixed"):
+        MultiheadDiffAttn(64, 2, 0, head_norm_gain_fixed=True)
+
+
+def test_a_fixed_gain_does_not_convert_to_hugging_face():
+    pytest.importorskip("transformers")
+    from difftransformer.interop.hf import to_hf
+
+    model = TransformerLM(ModelConfig(**BASE, head_norm_gain=0.5, head_norm_gain_fixed=True))
+    with pytest.raises(InputError, match="ablation"):
+        to_hf(model)
+
+
+def test_an_invalid_collision_is_refused():
+    with pytest.raises(ValueError, match="collision"):
+        matched_gains(ModelConfig(**BASE), 1.5)
