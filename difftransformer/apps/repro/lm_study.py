@@ -10,7 +10,7 @@ import dataclasses
 import time
 from pathlib import Path
 
-from difftransformer.apps.repro import lm, lm_long, lm_norm, lm_report
+from difftransformer.apps.repro import lm, lm_long, lm_norm, lm_norm_report, lm_report
 from difftransformer.devices import device_problem
 from difftransformer.errors import InputError
 
@@ -88,7 +88,8 @@ def run_norm(
     corpora: list[str | Path] | None = None,
     log_to: str = "jsonl",
 ) -> dict:
-    """Run (or continue) the norm part (``lm_norm``) into ``out``; returns its tuning state."""
+    """Run (or continue) the norm part (``lm_norm``) into ``out`` and write its report (``lm_norm_report``: norm.md,
+    norm_results.json, the figures); returns the report's numbers."""
     plan, out, corpora = _checked(lm_norm.PLANS, scale, steps, 1, out, corpora)
     lm_norm.open_norm(out, plan)
     data = lm.ensure_data(out, plan, corpora)
@@ -103,7 +104,7 @@ def run_norm(
         finally:
             total = lm.add_time(out, name, time.perf_counter() - start)
         print(f"difftx repro lm: {name} done, {total / 60:.1f} min in all", flush=True)
-    return lm_norm.tuning(plan, lm.read_measures(out))
+    return lm_norm_report.write(out)
 
 
 def _checked(plans: dict, scale: str, steps: int | None, short: int, out, corpora):

@@ -51,3 +51,72 @@ def paired_se(first: torch.Tensor, second: torch.Tensor) -> float:
         raise ValueError(f"need two equal-length vectors of at least 2 examples, got {first.shape} and {second.shape}")
     d = first.double() - second.double()
     return (d.std() / math.sqrt(len(d))).item()
+
+
+def t_cdf(x: float, df: int) -> float:
+    """P(T <= x) for Student's t with ``df`` degrees of freedom: 1/2 plus the density integrated from 0 to |x|
+    (Simpson's rule on 2000 intervals of u = atan(t / sqrt(df)), where the density is smooth and bounded)."""
+    if df < 1:
+        raise ValueError(f"degrees of freedom must be at least 1, got {df}")
+    k = math.lgamma((df + 1) / 2) - math.lgamma(df / 2) - 0.5 * math.log(df * math.pi)
+    top = math.atan(abs(x) / math.sqrt(df))
+    n = 2000
+
+    def f(u: float) -> float:  # density of t = sqrt(df) tan u, times dt/du
+        c = math.cos(u)
+        return math.exp(k + (df - 1) * math.log(c)) * math.sqrt(df) if c > 0 else 0.0
+
+    h = top / n
+    area = f(0) + f(top) + sum((4 if i % 2 else 2) * f(i * h) for i in range(1, n))
+    half = area * h / 3
+    return 0.5 + half if x >= 0 else 0.5 - half
+
+
+def t_quantile(p: float, df: int) -> float:
+    """The ``p`` quantile of Student's t with ``df`` degrees of freedom (bisection on ``t_cdf``)."""
+    if not 0 < p < 1:
+        raise ValueError(f"a quantile's probability is in (0, 1), got {p}")
+    if p < 0.5:
+        return -t_quantile(1 - p, df)
+    low, high = 0.0, 1.0
+    while t_cdf(high, df) < p:
+        high *= 2
+    for _ in range(60):
+        mid = (low + high) / 2
+        low, high = (mid, high) if t_cdf(mid, df) < p else (low, mid)
+    return (low + high) / 2
+
+
+def holm(pvalues: list[float]) -> list[float]:
+    """Holm's step-down adjustment of ``pvalues`` (one family): the k-th smallest is multiplied by (m - k + 1), then
+    made non-decreasing in that order and capped at 1; reject where the adjusted value is below the level."""
+    m = len(pvalues)
+    order = sorted(range(m), key=lambda i: pvalues[i])
+    adjusted = [0.0] * m
+    running = 0.0
+    for rank, i in enumerate(order):
+        running = max(running, min(1.0, (m - rank) * pvalues[i]))
+        adjusted[i] = running
+    return adjusted
+
+
+def paired_test(differences: list[float], margin: float, level: float) -> dict:
+    """A paired comparison over seeds: the mean difference, its two-sided p-value against 0, and the TOST
+    equivalence p-value at ``margin`` (the larger of the two one-sided p-values that the true difference is above
+    -margin and below +margin), with the two-sided interval at ``level`` (e.g. 0.95 / (family size) for an
+    interval Bonferroni-adjusted over a family) and the (1 - 2 alpha) one that TOST reads at that level."""
+    n = len(differences)
+    if n < 2:
+        raise ValueError(f"a paired test needs at least 2 seeds, got {n}")
+    mean = statistics.fmean(differences)
+    se = statistics.stdev(differences) / math.sqrt(n)
+    df = n - 1
+    if se == 0:
+        p_zero = 0.0 if mean != 0 else 1.0
+        p_tost = 0.0 if abs(mean) < margin else 1.0
+    else:
+        p_zero = 2 * (1 - t_cdf(abs(mean) / se, df))
+        p_tost = max(1 - t_cdf((mean + margin) / se, df), t_cdf((mean - margin) / se, df))
+    half = t_quantile(1 - (1 - level) / 2, df) * se
+    return {"n": n, "mean": mean, "se": se, "p_zero": p_zero, "p_tost": p_tost, "margin": margin,
+            "level": level, "low": mean - half, "high": mean + half}  # fmt: skip

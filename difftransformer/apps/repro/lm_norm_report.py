@@ -1,0 +1,273 @@
+"""The norm part's report (``difftx repro lm --part norm``, ``lm_norm``): norm.md, norm_results.json and two figures,
+written from the plan file and the measured runs only (``write`` rebuilds them all from ``measures/``).
+
+Statistics that say what they can: each contrast is a paired difference over seeds (the same seed: the same data
+order and the same initialisation of the shared layers); the contrasts form one family (``CONTRASTS``), whose p-values
+get Holm's adjustment, and whose intervals are Bonferroni-adjusted (simultaneous 95%). A contrast is called
+"equivalent" only when the TOST test at ``MARGIN`` rejects (Holm-adjusted), "different" when the test against zero
+does, and otherwise "not distinguishable at +-X", X the largest bound of its simultaneous interval.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from pathlib import Path
+
+from difftransformer.apps import figures
+from difftransformer.apps.repro import lm, lm_norm, stats
+from difftransformer.apps.repro.lm_long_report import _curve_mean, tokens_to_reach
+from difftransformer.apps.repro.lm_norm import LABELS, NORM_PLAN, NORM_VARIANTS, SIZE, NormScale
+from difftransformer.fsutil import read_json_object, write_text_atomic
+
+MARGIN = 0.025  # nats: the equivalence margin, the paper's DIFF - Transformer gap at 1.4B (3.062 - 3.087)
+ALPHA = 0.05
+# (first, second, the question the difference answers)
+CONTRASTS = (
+    ("diff", "standard", "DIFF V1 as published against the baseline"),
+    ("diff-matched", "standard", "V1 with the rule against the baseline"),
+    ("diff-matched", "diff", "what the rule changes in V1"),
+    ("diff-matched-fixed", "diff", "the initial scale alone (the gain as a constant)"),
+    ("diff-matched", "diff-matched-fixed", "the learned weight's step size at the same initial scale"),
+    ("diff-matched", "diff-no-head-norm", "the norm at the matched gain against no norm"),
+    ("standard-head-norm-matched", "standard", "the norm at the matched gain in the standard model"),
+    ("diff_v2-matched", "standard", "DIFF V2 against the baseline"),
+)
+COLORS = {
+    **figures.COLORS,
+    "diff-matched": "tab:purple",
+    "diff-matched-fixed": "tab:pink",
+    "standard-head-norm-matched": "tab:cyan",
+}
+RESULTS = "norm_results.json"
+SECTION = "norm.md"
+FIGURES = ("lm_norm_tuning.png", "lm_norm_curves.png")
+
+
+def analyse(out: Path, measures: dict[str, dict]) -> dict | None:
+    """The numbers of the norm part in ``out``, or None when ``out`` holds none."""
+    if not (out / NORM_PLAN).is_file():
+        return None
+    plan = lm_norm.decided_plan(NormScale(**read_json_object(out / NORM_PLAN)["plan"]))
+    state = lm_norm.tuning(plan, measures)
+    result: dict = {"plan": {"name": plan.name, "steps": plan.steps[0], "seq_len": plan.seq_len,
+                             "batch_size": plan.batch_size, "warmup_fraction": plan.warmup_fraction,
+                             "tune_seeds": plan.tune_seeds, "final_seeds": plan.final_seeds, "size": plan.sizes[SIZE]},
+                    "margin": MARGIN, "tuning": _tuning(state)}  # fmt: skip
+    finals = {}
+    for v, st in state.items():
+        if st["best"] is None:
+            continue
+        runs = {s: measures.get(lm.Run(SIZE, plan.steps[0], v, st["best"], s).name) for s in range(plan.final_seeds)}
+        runs = {s: m for s, m in runs.items() if m is not None}
+        finals[v] = {"lr": st["best"], "losses": {s: m["val"]["loss"] for s, m in runs.items()},
+                     "curves": {s: m["curve"] for s, m in runs.items()}}  # fmt: skip
+    result["finals"] = finals
+    complete = [v for v, f in finals.items() if len(f["losses"]) == plan.final_seeds]
+    result["complete"] = complete
+    result["contrasts"] = _contrasts(finals, complete)
+    if "standard" in complete:
+        total = plan.steps[0] * plan.seq_len * plan.batch_size
+        result["token_fractions"] = {v: _token_fraction(finals[v], finals["standard"], total) for v in complete}
+    return result
+
+
+def _tuning(state: dict) -> dict:
+    return {
+        v: {
+            "rates": st["rates"],
+            "losses": {f"{lr:g}": xs for lr, xs in st["losses"].items()},
+            "best": st["best"],
+            "inside": st["best"] is not None and not st["at_edge"],
+        }  # fmt: skip
+        for v, st in state.items()
+    }
+
+
+def _contrasts(finals: dict, complete: list[str]) -> list[dict]:
+    rows = []
+    family = [c for c in CONTRASTS if c[0] in complete and c[1] in complete]
+    level = 1 - ALPHA / max(1, len(family))  # simultaneous (Bonferroni) intervals over the family
+    for first, second, question in family:
+        a, b = finals[first]["losses"], finals[second]["losses"]
+        seeds = sorted(set(a) & set(b))
+        test = stats.paired_test([a[s] - b[s] for s in seeds], MARGIN, level)
+        rows.append({"first": first, "second": second, "question": question, "seeds": seeds, **test})
+    for key in ("p_zero", "p_tost"):
+        for row, adjusted in zip(rows, stats.holm([r[key] for r in rows]), strict=True):
+            row[key + "_holm"] = adjusted
+    for row in rows:
+        row["verdict"] = verdict(row)
+    return rows
+
+
+def verdict(row: dict) -> str:
+    """What a contrast may say: equivalent (TOST at the margin), different (against zero), or neither."""
+    if row["p_tost_holm"] < ALPHA:
+        return f"equivalent within +-{row['margin']:g}"
+    if row["p_zero_holm"] < ALPHA:
+        return "lower" if row["mean"] < 0 else "higher"
+    return f"not distinguishable at +-{max(abs(row['low']), abs(row['high'])):.3f}"
+
+
+def _token_fraction(row: dict, base: dict, total: int) -> dict:
+    """Per seed, the training tokens at which the variant's curve reaches the standard model's final loss (same
+    seed), as a fraction of the budget (None: never), with the t interval when every seed reaches it."""
+    fractions = []
+    for s in sorted(row["curves"]):
+        if s not in base["curves"]:
+            continue
+        t = tokens_to_reach(row["curves"][s], base["curves"][s][-1][2])
+        fractions.append(None if t is None else t / total)
+    reached = all(f is not None for f in fractions) and len(fractions) > 1
+    return {"by_seed": fractions, "interval": stats.t_interval(fractions) if reached else None}
+
+
+# the text ----------------------------------------------------------------------------------------------------------
+def markdown(result: dict) -> list[str]:
+    plan = result["plan"]
+    d, layers, heads = plan["size"]
+    lines = [
+        "## The per-head norm's initial scale (issue #49)",
+        "",
+        f"Width {d}, {layers} layers, {heads} standard heads ({heads // 2} differential), context {plan['seq_len']}, "
+        f"{plan['steps']} steps of {plan['batch_size']} x {plan['seq_len']} tokens, warm-up "
+        f"{plan['warmup_fraction']:.0%}. Every variant was tuned at this whole schedule ({plan['tune_seeds']} seeds "
+        "per rate, rates a factor of 2 apart, extended until the best is inside); the tuning seeds' runs at the best "
+        f"rate are the first {plan['tune_seeds']} of its {plan['final_seeds']} final seeds.",
+        "",
+        "### Tuning",
+        "",
+        "| variant | validation loss by peak learning rate (mean of the seeds) | best | inside the grid |",
+        "|---|---|---|---|",
+    ]
+    for v, st in result["tuning"].items():
+        cells = ", ".join(f"{lr}: {statistics.fmean(xs):.4f}" + ("" if len(xs) == plan["tune_seeds"] else " (part)")
+                          for lr, xs in sorted(st["losses"].items(), key=lambda kv: float(kv[0])))  # fmt: skip
+        best = "-" if st["best"] is None else f"{st['best']:g}"
+        lines.append(f"| {LABELS[v]} | {cells or '-'} | {best} | {'yes' if st['inside'] else 'no'} |")
+    lines += ["", "### Final runs", ""]
+    finals = result["finals"]
+    if not finals:
+        return [*lines, "None yet."]
+    lines += ["| variant | rate | seeds | validation loss (mean, 95% interval) |", "|---|---|---|---|"]
+    for v, row in finals.items():
+        xs = [row["losses"][s] for s in sorted(row["losses"])]
+        m, low, high = stats.t_interval(xs)
+        iv = f"{m:.4f} ({low:.4f} to {high:.4f})" if len(xs) > 1 else f"{m:.4f}"
+        lines.append(f"| {LABELS[v]} | {row['lr']:g} | {len(xs)} | {iv} |")
+    if result["contrasts"]:
+        n = len(result["contrasts"])
+        lines += [
+            "",
+            f"### Contrasts (one family of {n}: Holm-adjusted p-values; intervals simultaneous 95%, Bonferroni)",
+            "",
+            f"Equivalence margin +-{result['margin']:g} nats (the paper's DIFF - Transformer gap at 1.4B).",
+            "",
+            "| contrast | question | difference (simultaneous interval) | p (= 0), Holm | p (TOST), Holm | says |",
+            "|---|---|---|---|---|---|",
+        ]
+        for r in result["contrasts"]:
+            lines.append(
+                f"| {LABELS[r['first']]} - {LABELS[r['second']]} | {r['question']} | {r['mean']:+.4f} "
+                f"({r['low']:+.4f} to {r['high']:+.4f}) | {r['p_zero_holm']:.3f} | {r['p_tost_holm']:.3f} | "
+                f"{r['verdict']} |"
+            )
+    if result.get("token_fractions"):
+        lines += ["", "Tokens to reach the standard model's final loss (same seed), as a fraction of the budget:", ""]
+        for v, fr in result["token_fractions"].items():
+            if v == "standard":
+                continue
+            iv = fr["interval"]
+            missed, n = sum(f is None for f in fr["by_seed"]), len(fr["by_seed"])
+            text = f"{iv[0]:.0%} ({iv[1]:.0%} to {iv[2]:.0%})" if iv else f"not reached on {missed} of {n} seeds"
+            lines.append(f"- {LABELS[v]}: {text}")
+    return lines
+
+
+# the figures -------------------------------------------------------------------------------------------------------
+def plot(result: dict, out: Path) -> None:
+    if any(st["losses"] for st in result["tuning"].values()):
+        _plot_tuning(result, out / FIGURES[0])
+    if result["complete"]:
+        _plot_curves(result, out / FIGURES[1])
+
+
+def _plot_tuning(result: dict, path: Path) -> None:
+    """One panel per variant, each on its own loss scale (a shared one squeezes the differences that decide)."""
+    plt = figures.pyplot()
+    variants = list(result["tuning"])
+    cols = 4
+    rows = math.ceil(len(variants) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(13, 3.2 * rows), squeeze=False)
+    for ax, v in zip(axes.flat, variants, strict=False):
+        st = result["tuning"][v]
+        pts = sorted((float(lr), xs) for lr, xs in st["losses"].items() if all(math.isfinite(x) for x in xs))
+        if pts:
+            ax.plot([p[0] for p in pts], [statistics.fmean(p[1]) for p in pts], "o-", color=COLORS[v], label=LABELS[v])
+            for lr, xs in pts:
+                ax.plot([lr] * len(xs), xs, ".", color=COLORS[v], alpha=0.5, ms=5)
+            if st["best"] is not None:
+                ax.axvline(st["best"], color="k", lw=0.6, ls=":")
+        ax.set_xscale("log")
+        ax.set_xticks([p[0] for p in pts], [f"{p[0]:g}" for p in pts], rotation=45)
+        ax.minorticks_off()
+        ax.set_title(LABELS[v], fontsize=9)
+    for ax in axes.flat[len(variants) :]:
+        ax.set_visible(False)
+    for ax in axes[:, 0]:
+        ax.set_ylabel("validation loss (nats)")
+    for ax in axes[-1, :]:
+        ax.set_xlabel("peak learning rate")
+    figures.finish(fig, path, f"tuning at the whole budget ({result['plan']['steps']} steps): mean (dots: seeds; "
+                   "dotted: best)")  # fmt: skip
+
+
+def _plot_curves(result: dict, path: Path) -> None:
+    """Loss against tokens from the first quarter on, and each variant minus standard with its interval, on a scale
+    set by the differences after that quarter (where the contested range lies)."""
+    plt = figures.pyplot()
+    fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(13, 4.6))
+    finals = {v: result["finals"][v] for v in result["complete"]}
+    total = result["plan"]["steps"] * result["plan"]["seq_len"] * result["plan"]["batch_size"]
+    start = total / 4
+    lows, highs, gaps = [], [], []
+    for v, row in finals.items():
+        mean = [m for m in _curve_mean(list(row["curves"].values())) if m[0] >= start]
+        ax0.plot([m[0] for m in mean], [m[1] for m in mean], color=COLORS[v], lw=2, label=LABELS[v])
+        lows.append(min(m[1] for m in mean))
+        highs.append(max(m[1] for m in mean))
+        if v == "standard" or "standard" not in finals:
+            continue
+        base = finals["standard"]["curves"]
+        seeds = sorted(set(row["curves"]) & set(base))
+        by = [{c[1]: c[2] for c in row["curves"][s]} for s in seeds]
+        ref = [{c[1]: c[2] for c in base[s]} for s in seeds]
+        shared = set.intersection(*(set(b) & set(r) for b, r in zip(by, ref, strict=True)))
+        points = sorted(t for t in shared if t >= start)
+        band = [stats.t_interval([b[t] - r[t] for b, r in zip(by, ref, strict=True)]) for t in points]
+        ax1.plot(points, [x[0] for x in band], color=COLORS[v], lw=2)
+        ax1.fill_between(points, [x[1] for x in band], [x[2] for x in band], color=COLORS[v], alpha=0.12)
+        gaps += [y for x in band for y in x]
+    ax0.set(xlabel="training tokens", ylabel="validation loss (nats), mean of the seeds",
+            ylim=(min(lows) - 0.02, max(highs) + 0.02))  # fmt: skip
+    ax1.axhline(0, color="k", lw=0.8)
+    if gaps:
+        ax1.set_ylim(min(gaps) - 0.01, max(gaps) + 0.01)
+    ax1.set(xlabel="training tokens", ylabel="minus standard (nats)", title="paired difference (band: 95% interval)")
+    figures.finish(fig, path, f"validation loss from a quarter of the budget on, {result['plan']['final_seeds']} seeds")
+
+
+def write(out: Path) -> dict | None:
+    """norm_results.json, norm.md and the figures in ``out``, from its plan file and measures."""
+    result = analyse(out, lm.read_measures(out))
+    if result is None:
+        return None
+    write_text_atomic(out / RESULTS, json.dumps(result, indent=1) + "\n")
+    write_text_atomic(out / SECTION, "\n".join(markdown(result)) + "\n")
+    plot(result, out)
+    return result
+
+
+assert set(COLORS) >= set(NORM_VARIANTS)

@@ -1,0 +1,128 @@
+"""The norm part of the language-model study (`difftx repro lm --part norm`, issue #49): its plan (each variant what it
+names, every run at the whole budget), its learning-rate grid, and its report's statistics (paired contrasts, Holm,
+TOST at the margin), checked against values computed here by hand or by scipy."""
+
+import json
+import math
+import statistics
+
+import pytest
+import torch
+
+from difftransformer.apps.repro import lm, lm_long, lm_norm, lm_norm_report, stats
+from difftransformer.core.head_norm_gain import matched_gains
+from difftransformer.core.model import TransformerLM, count_parameters
+
+PLAN = lm_norm.decided_plan(lm_norm.PLANS["cpu"])
+
+
+def test_every_run_is_a_whole_budget_run_with_the_final_schedule(tmp_path):
+    """Tuning cannot favour a side: a tuning run is the final run of its rate and seed (same steps, warm-up, decay)."""
+    assert PLAN.steps[0] == PLAN.steps[1] == lm_long.PLANS["cpu"].steps[0]
+    state = lm_norm.tuning(PLAN, {})
+    for v, st in state.items():
+        rates = st["rates"]
+        assert len(rates) == 3 and all(math.isclose(b / a, 2.0) for a, b in zip(rates, rates[1:], strict=False)), v
+    runs = lm_norm.tune_runs(PLAN, state)
+    assert len(runs) == 7 * 3 * PLAN.tune_seeds and {r.steps for r in runs} == {PLAN.steps[0]}
+    for run in runs:
+        cfg = run.train_config(PLAN, tmp_path, tmp_path / run.name)
+        assert cfg.max_steps == PLAN.steps[0] and cfg.warmup_steps == round(PLAN.warmup_fraction * PLAN.steps[0])
+
+
+def test_the_variants_are_what_they_name():
+    configs = {v: lm_long._config(PLAN, v) for v in lm_norm.NORM_VARIANTS}
+    counts = {v: count_parameters(c, exclude_embeddings=True) for v, c in configs.items()}
+    assert all(abs(n / counts["standard"] - 1) < 0.01 for n in counts.values()), counts
+    torch.manual_seed(0)
+    models = {v: TransformerLM(c) for v, c in configs.items()}
+    rule = matched_gains(configs["diff"])
+    for layer, gain in enumerate(rule):
+        matched = models["diff-matched"].layers[layer].attn
+        fixed = models["diff-matched-fixed"].layers[layer].attn
+        paper = models["diff"].layers[layer].attn
+        assert torch.all(matched.subln.weight == torch.tensor(gain, dtype=torch.float32))
+        assert torch.all(fixed.subln.weight == 1) and fixed.head_scale == gain and matched.head_scale == 1.0
+        assert torch.all(paper.subln.weight == 1)
+    standard_rule = matched_gains(configs["standard-head-norm-matched"])
+    lam = [b.attn.lambda_init for b in models["diff"].layers]
+    assert standard_rule == pytest.approx([g * (1 - x) for g, x in zip(rule, lam, strict=True)], rel=1e-12)
+    assert models["diff-no-head-norm"].layers[0].attn.subln is None
+    assert configs["diff_v2-matched"].attention == "diff_v2"
+
+
+def _measures(losses: dict[str, dict[float, list[float]]]) -> dict:
+    """Measured runs with the given final losses (rate -> per seed) and a two-point curve ending at that loss."""
+    out = {}
+    total = PLAN.steps[0] * PLAN.seq_len * PLAN.batch_size
+    for v, by_rate in losses.items():
+        for lr, xs in by_rate.items():
+            for s, x in enumerate(xs):
+                name = lm.Run(lm_norm.SIZE, PLAN.steps[0], v, lr, s).name
+                curve = [[PLAN.steps[0] // 2, total // 2, x + 0.5], [PLAN.steps[0], total, x]]
+                out[name] = {"val": {"loss": x}, "curve": curve}
+    return out
+
+
+def test_a_best_rate_at_an_edge_grows_the_grid_and_final_runs_reuse_the_tuning_runs():
+    grid = {v: {lr: [4.0 + lr, 4.0 + lr] for lr in PLAN.grids[v]} for v in lm_norm.NORM_VARIANTS}
+    state = lm_norm.tuning(PLAN, _measures(grid))  # the lowest rate is best everywhere: every grid grows downwards
+    for v, st in state.items():
+        assert st["rates"][0] == PLAN.grids[v][0] / 2 and not st["done"], v
+    grid["standard"][PLAN.grids["standard"][0] / 2] = [4.5, 4.5]  # the new rate is worse: 3e-3 is inside
+    state = lm_norm.tuning(PLAN, _measures(grid))
+    assert state["standard"]["best"] == 3e-3 and state["standard"]["done"] and not state["standard"]["at_edge"]
+    with pytest.raises(lm.InputError, match="not complete"):
+        lm_norm.final_runs(PLAN, state)
+    for v in lm_norm.NORM_VARIANTS:
+        low = PLAN.grids[v][0] / 2
+        grid[v][low] = [4.5, 4.5]
+    state = lm_norm.tuning(PLAN, _measures(grid))
+    finals = lm_norm.final_runs(PLAN, state)
+    tuned = {r.name for r in lm_norm.tune_runs(PLAN, state)}
+    assert len(finals) == 7 * PLAN.final_seeds
+    assert sum(r.name in tuned for r in finals) == 7 * PLAN.tune_seeds  # seeds 0 and 1 are the tuning runs
+
+
+def test_paired_test_against_scipy():
+    scipy_stats = pytest.importorskip("scipy.stats")
+    diffs = [0.011, -0.004, 0.007, 0.002, 0.009]
+    row = stats.paired_test(diffs, 0.025, 1 - 0.05 / 8)
+    t = scipy_stats.ttest_1samp(diffs, 0.0)
+    assert row["p_zero"] == pytest.approx(t.pvalue, rel=1e-6)
+    upper = scipy_stats.ttest_1samp(diffs, 0.025, alternative="less").pvalue
+    lower = scipy_stats.ttest_1samp(diffs, -0.025, alternative="greater").pvalue
+    assert row["p_tost"] == pytest.approx(max(upper, lower), rel=1e-6)
+    half = scipy_stats.t.ppf(1 - 0.05 / 16, 4) * statistics.stdev(diffs) / math.sqrt(5)
+    assert (row["low"], row["high"]) == pytest.approx((statistics.fmean(diffs) - half, statistics.fmean(diffs) + half))
+    assert stats.holm([0.01, 0.04, 0.03, 0.2]) == pytest.approx([0.04, 0.09, 0.09, 0.2])
+
+
+def test_the_report_says_equivalent_different_or_neither(tmp_path):
+    """Five seeds each: one variant within a hair of the baseline (equivalent at 0.025), one 0.3 above (higher),
+    one noisy (neither: 'not distinguishable at' its simultaneous interval's largest bound)."""
+    base = [3.70, 3.68, 3.71, 3.69, 3.72]
+    finals = {v: [x + 0.3 for x in base] for v in lm_norm.NORM_VARIANTS}
+    finals["standard"] = base
+    finals["diff-matched"] = [x + d for x, d in zip(base, [0.001, -0.002, 0.0015, -0.001, 0.0005], strict=True)]
+    finals["diff_v2-matched"] = [x + d for x, d in zip(base, [0.05, -0.06, 0.04, -0.05, 0.03], strict=True)]
+    grid = {}
+    for v in lm_norm.NORM_VARIANTS:
+        low, mid, high = PLAN.grids[v]
+        grid[v] = {low: [x + 0.1 for x in finals[v][:2]], mid: finals[v], high: [x + 0.1 for x in finals[v][:2]]}
+    measures = _measures(grid)
+    lm_norm.open_norm(tmp_path, lm_norm.PLANS["cpu"])
+    (tmp_path / "measures").mkdir()
+    for name, m in measures.items():
+        (tmp_path / "measures" / f"{name}.json").write_text(json.dumps(m))
+    result = lm_norm_report.write(tmp_path)
+    rows = {(r["first"], r["second"]): r for r in result["contrasts"]}
+    assert len(rows) == len(lm_norm_report.CONTRASTS)
+    assert rows["diff-matched", "standard"]["verdict"] == "equivalent within +-0.025"
+    assert rows["diff", "standard"]["verdict"] == "higher"
+    noisy = rows["diff_v2-matched", "standard"]
+    assert noisy["verdict"] == f"not distinguishable at +-{max(abs(noisy['low']), abs(noisy['high'])):.3f}"
+    assert all(r["p_zero_holm"] >= r["p_zero"] for r in rows.values())
+    text = (tmp_path / "norm.md").read_text()
+    assert "equivalent within +-0.025" in text and "| yes |" in text
+    assert all((tmp_path / f).is_file() for f in lm_norm_report.FIGURES)
