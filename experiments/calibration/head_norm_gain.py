@@ -5,8 +5,9 @@ DIFF RMS), divided by what ``ModelConfig(head_norm_gain="matched")`` computes fr
 (``difftransformer.core.head_norm_gain``).
 
 Token streams: uniformly random tokens (the rule given their collision probability, 1 / vocabulary), and the
-built-in corpus as bytes and as a 2048-token BPE trained on it (the rule as ``"matched"`` computes it: Zipf's law
-over the vocabulary). Presets larger than ``--full-up-to`` parameters are measured on their first ``--prefix``
+built-in corpus as bytes and as a 2048-token BPE trained on it, each against the rule twice: as ``"matched"``
+computes it by default (Zipf's law over the vocabulary) and given the windows' measured collision probability
+(``token_collision``). Presets larger than ``--full-up-to`` parameters are measured on their first ``--prefix``
 layers only, initialised as in the whole model (the rule of layer l depends only on the layers before it).
 
     .venv/bin/python experiments/calibration/head_norm_gain.py --configs tiny small medium large X X3 \\
@@ -24,7 +25,7 @@ import tempfile
 import torch
 
 from difftransformer import ModelConfig, TransformerLM
-from difftransformer.core.head_norm_gain import matched_gains
+from difftransformer.core.head_norm_gain import matched_gains, token_collision
 from difftransformer.store import corpus
 from difftransformer.store.tokenizer import ByteTokenizer, train_bpe
 
@@ -103,27 +104,27 @@ def main() -> None:
             else:
                 config = ModelConfig.preset(name, vocab_size=vocab)
             t = config.max_seq_len
-            streams[f"random/{vocab}"] = (config, torch.randint(0, vocab, (args.windows, t)), 1 / vocab)
-            streams[f"pydocs/{label}"] = (config, corpus_ids(tokenizer, t, args.windows), None)
+            streams[f"random/{vocab}"] = (config, torch.randint(0, vocab, (args.windows, t)), [1 / vocab])
+            text = corpus_ids(tokenizer, t, args.windows)
+            streams[f"pydocs/{label}"] = (config, text, [None, token_collision(text)])
         base = streams["pydocs/bytes"][0]
         big = base.n_layers > args.prefix and base.d_model**2 * 12 * base.n_layers > args.full_up_to
         layers = args.prefix if big else base.n_layers
         print(f"{name}: d_model {base.d_model}, {base.n_layers} layers, {base.n_heads} heads, T {base.max_seq_len}"
               + (f" (first {layers} layers)" if big else ""))  # fmt: skip
-        for label, (config, tokens, collision) in streams.items():
+        for label, (config, tokens, collisions) in streams.items():
             if label not in args.streams:
                 continue
-            rule = matched_gains(config, collision)[:layers]
-            ratios = [
-                [m / r for m, r in zip(measured_gains(config, tokens, seed, layers), rule, strict=True)]
-                for seed in args.seeds
-            ]
-            cells = []
-            for i in range(layers):
-                xs = [row[i] for row in ratios]
-                cells.append(f"{statistics.mean(xs):.2f} [{min(xs):.2f}, {max(xs):.2f}]")
-            print(f"  {label:>15}: rule {' '.join(f'{g:.3f}' for g in rule)}")
-            print(f"  {'':>15}  measured / rule {'  '.join(cells)}", flush=True)
+            measured = [measured_gains(config, tokens, seed, layers) for seed in args.seeds]
+            for collision in collisions:
+                rule = matched_gains(config, collision)[:layers]
+                cells = []
+                for i in range(layers):
+                    xs = [row[i] / rule[i] for row in measured]
+                    cells.append(f"{statistics.mean(xs):.2f} [{min(xs):.2f}, {max(xs):.2f}]")
+                given = "Zipf default" if collision is None else f"collision {collision:.4f}"
+                print(f"  {label:>15}, {given}: rule {' '.join(f'{g:.3f}' for g in rule)}")
+                print(f"  {'':>15}  measured / rule {'  '.join(cells)}", flush=True)
 
 
 if __name__ == "__main__":

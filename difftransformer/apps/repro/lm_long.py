@@ -168,12 +168,13 @@ PLANS = {
         threads=1,
         ckpt_every=100,
         rationale="Width 64 with heads of 32 (the paper matches DIFF's half-heads to the standard model's heads) "
-        "leaves 2 standard heads and 1 differential head per layer. At 20 tokens per non-embedding parameter, 5 layers "
-        "(267k parameters, 288k for the unmatched V2) take one pass over this corpus's 5.7M training tokens: the "
-        "largest size this corpus trains without repeating text; a sixth layer repeats it (1.2 passes), width 128 "
-        "with 4 heads needs 1.5 passes or more and about 3.5 times the compute per run, beyond the 10-hour budget "
-        "of the 48 tuning runs and 21 long runs. What this regime cannot answer: the paper's scale (0.8B-13B "
-        "parameters) and its advice of 8 or more differential heads; here DIFF has one per layer.",
+        "leaves 2 standard heads and 1 differential head per layer. At 20 tokens per non-embedding parameter, 5 "
+        "layers (267k parameters, 288k for the unmatched V2) take one expected pass over this corpus's 5.7M "
+        "training tokens (windows drawn with replacement: some text is seen twice, some never); a sixth layer "
+        "would take 1.2 passes, width 128 with 4 heads 1.5 passes or more and about 3.5 times the compute per "
+        "run, beyond the 10-hour budget of the 48 tuning runs and 21 long runs. What this regime cannot "
+        "answer: the paper's scale (0.8B-13B parameters) and its advice of 8 or more differential heads; here "
+        "DIFF has one per layer.",
     ),
     # One GPU, bf16: width 256, heads of 64 (4 standard, 2 differential), 4 layers, 3.2M non-embedding parameters
     # (3.5M for the unmatched V2), 20 tokens per parameter (2125 steps of 32 x 1024 tokens, 70M): give a corpus of
@@ -395,6 +396,7 @@ def time_steps(
         "steps": steps,
         "warmup": warmup,
         "repeats": repeats,
+        "subnormal_fix": True,  # the fused CPU kernel drops terms far below their row's largest (issue #31)
     }
 
 

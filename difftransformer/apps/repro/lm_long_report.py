@@ -25,6 +25,8 @@ from difftransformer.core.model import count_parameters
 from difftransformer.fsutil import read_json_object
 
 PLAN_FILES = (LONG, LONG_INIT, LONG_TIMING)  # what an exported report keeps of the long part besides measures/
+NEAR = 0.15  # nats: the curves figure zooms on the variants whose mean gap stays within this after a quarter
+SUBNORMAL_BENCH = "benchmarks/results/subnormal_cpu-xeon-2core_2026-12-04/"  # the kernel's fix, measured
 
 LABELS = {
     "standard": "standard",
@@ -305,10 +307,13 @@ def markdown(result: dict) -> list[str]:
         f"context {p['seq_len']}, {p['batch_size']} sequences per step, {hi} steps ({rg['tokens'] / 1e6:.2f}M tokens: "
         f"{min(rg['tokens_per_parameter'].values()):.1f} to {max(rg['tokens_per_parameter'].values()):.1f} tokens "
         f"per non-embedding parameter; {rg['passes']:.2f} expected passes over the {rg['train_tokens'] / 1e6:.2f}M "
-        f"training tokens). AdamW betas {tuple(p['betas'])}, weight decay {p['weight_decay']}, warmup "
+        f"training tokens; the windows are drawn with replacement, so about {math.exp(-rg['passes']):.0%} of the "
+        f"training tokens are never seen and {1 - math.exp(-rg['passes']) * (1 + rg['passes']):.0%} are seen twice "
+        f"or more). AdamW betas {tuple(p['betas'])}, weight decay {p['weight_decay']}, warmup "
         f"{p['warmup_fraction']:.0%} then cosine to 10%; validation during training every "
-        f"{max(1, hi // p['evals'])} steps on the same {p['curve_tokens']:,} held-out tokens; final measures on "
-        f"{p['eval_tokens']:,}. Seeds {result['seeds']}; each seed's models share the data order and the "
+        f"{max(1, hi // p['evals'])} steps on the same {p['curve_tokens']:,} held-out tokens (the plan's "
+        f"`val_every` {p['val_every']} is the corpus split: every {p['val_every']}th document held out); final "
+        f"measures on {p['eval_tokens']:,}. Seeds {result['seeds']}; each seed's models share the data order and the "
         "initialisation of the layers they have in common.",
         "",
         f"Why this size: {p['rationale']}",
@@ -402,18 +407,26 @@ def _final_markdown(result: dict) -> list[str]:
         lines += _timing_markdown(result, timing)
     lines += ["**Where gaps open, close or cross** (paired difference to the standard model on the curve's held-out "
               "tokens, mean over seeds, at a quarter, half and all of the budget):", ""]  # fmt: skip
-    lines += ["| variant | 25% | 50% | 100% | sign changes of the mean |", "|---|---|---|---|---|"]
+    tokens_per_step = result["plan"]["seq_len"] * result["plan"]["batch_size"]
+    first = rows[next(v for v in LONG_VARIANTS if v != "standard")]["gap_curve"]
+    heads = [f"step {round(g[0] / tokens_per_step)} ({g[0] / first[-1][0]:.0%})" for g in _picks(first)]
+    lines += ["| variant | " + " | ".join(heads) + " | sign changes of the mean |", "|---|---|---|---|---|"]
     for v in LONG_VARIANTS:
         if v == "standard":
             continue
         gap = rows[v]["gap_curve"]
-        picks = [gap[min(len(gap) - 1, max(0, round(f * len(gap)) - 1))] for f in (0.25, 0.5, 1.0)]
+        picks = _picks(gap)
         crossings = [gap[i][0] for i in range(1, len(gap)) if (gap[i][1] < 0) != (gap[i - 1][1] < 0)]
         cross = ", ".join(f"at {t / 1e6:.2f}M tokens" for t in crossings) or "none"
         lines.append(f"| {LABELS[v]} | " + " | ".join(_iv(tuple(g[1:])) for g in picks) + f" | {cross} |")
     lines.append("")
     lines += _positions_markdown(result)
     return lines
+
+
+def _picks(gap: list[list[float]]) -> list[list[float]]:
+    """The evaluation points nearest a quarter, a half and all of the budget (the columns' steps)."""
+    return [gap[min(len(gap) - 1, max(0, round(f * len(gap)) - 1))] for f in (0.25, 0.5, 1.0)]
 
 
 def _timing_markdown(result: dict, timing: dict) -> list[str]:
@@ -450,6 +463,14 @@ def _timing_markdown(result: dict, timing: dict) -> list[str]:
         )
     slow = [v for v in LONG_VARIANTS if v in trained and v in flushed and trained[v] > 1.15 * flushed[v]]
     lines.append("")
+    if not timing.get("subnormal_fix"):
+        lines += [
+            "This timing predates the fused CPU kernel's subnormal fix (issue #31, 2026-12-04), after which the "
+            "kernel's forward and backward on sharp rows take 0.94-1.09 times their flushed time "
+            f"(`{SUBNORMAL_BENCH}`): the trained steps and time fractions here, and the time axis of "
+            "`lm_long_curves.png`, are as measured with the old kernel, upper bounds for DIFF V1.",
+            "",
+        ]
     if slow:
         lines += [
             "Subnormal floats: "
@@ -593,13 +614,17 @@ def _plot_tuning(result: dict, path: Path) -> None:
         for lr, xs in pts:
             ax.plot([lr] * len(xs), xs, ".", color=COLORS[v], alpha=0.5, ms=4)
     ax.set(xscale="log", xlabel="peak learning rate", ylabel="validation loss (nats per token)")
+    rates = sorted({float(lr) for st in result["tuning"].values() for lr in st["losses"]})
+    ax.set_xticks(rates, [f"{r:g}" for r in rates], rotation=45)  # the rates themselves, not overlapping labels
+    ax.minorticks_off()
     ax.set_title("mean of the seeds (dots: each seed)", fontsize=10)
     figures.finish(fig, path, f"learning rates at {result['plan']['steps'][1]} steps, every variant")
 
 
 def _plot_curves(result: dict, path: Path) -> None:
     plt = figures.pyplot()
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.6))
+    fig, axes = plt.subplots(1, 4, figsize=(19, 4.6))
+    axes = [axes[0], axes[1], axes[3], axes[2]]  # loss, gap, time; the zoomed gap (axes[3]) beside the gap
     rows, timing = result["variants"], result.get("timing")
     tokens_per_step = result["plan"]["seq_len"] * result["plan"]["batch_size"]
     lows = []
@@ -614,24 +639,36 @@ def _plot_curves(result: dict, path: Path) -> None:
             sec = step_seconds(timing, v) / tokens_per_step
             axes[2].plot([m[0] * sec for m in mean], [m[1] for m in mean], color=COLORS[v], lw=2)
         if v != "standard":
-            gap = row["gap_curve"]
+            gap = [g for g in row["gap_curve"] if g[0] >= _gap_start(rows)]
             xs = [g[0] for g in gap]
-            axes[1].plot(xs, [g[1] for g in gap], color=COLORS[v], lw=2)
-            axes[1].fill_between(xs, [g[2] for g in gap], [g[3] for g in gap], color=COLORS[v], alpha=0.12)
+            near = max(abs(g[1]) for g in gap) < NEAR
+            for ax in (axes[1], axes[3]) if near else (axes[1],):
+                ax.plot(xs, [g[1] for g in gap], color=COLORS[v], lw=2)
+                ax.fill_between(xs, [g[2] for g in gap], [g[3] for g in gap], color=COLORS[v], alpha=0.12)
     means = [_curve_mean(rows[v]["curves"]) for v in LONG_VARIANTS]
     top = max(m[len(m) // 8][1] for m in means)  # the first eighth of training is off the top: the rest is readable
     for ax in (axes[0], axes[2]):
         ax.set_ylim(min(lows) - 0.05, top + 0.05)
     axes[0].set(xlabel="training tokens", ylabel="validation loss (nats per token)",
                 title="thin: each seed; bold: mean")  # fmt: skip
-    axes[1].axhline(0, color="k", lw=0.8)
-    axes[1].set(xlabel="training tokens", ylabel="minus standard (nats per token)",
-                title="paired difference to standard (band: 95% interval)")  # fmt: skip
-    axes[2].set(xlabel="seconds (the trained step, timed alone, one thread)", ylabel="validation loss",
+    for ax in (axes[1], axes[3]):
+        ax.axhline(0, color="k", lw=0.8)
+        ax.set(xlabel="training tokens", ylabel="minus standard (nats per token)")
+    axes[1].set_title("minus standard, from a quarter of the budget (band: 95%)")
+    axes[3].set_title(f"the same, the variants within {NEAR:g} nats of it")
+    kernel = "" if (timing or {}).get("subnormal_fix") else ", pre-fix kernel"
+    axes[2].set(xlabel=f"seconds (trained step, timed alone{kernel})", ylabel="validation loss",
                 title="mean against time" if timing else "(not timed yet)")  # fmt: skip
     for ax in axes:
         ax.title.set_fontsize(10)
     figures.finish(fig, path, f"validation loss during training, {len(result['seeds'])} seeds per variant")
+
+
+def _gap_start(rows: dict) -> float:
+    """The tokens at a quarter of the budget: the gap panel starts there (the first quarter's gaps are 10 times
+    larger and would squeeze the rest)."""
+    last = rows["standard"]["curves"][0][-1][1]
+    return last / 4
 
 
 def _plot_blocks(result: dict, path: Path) -> None:
