@@ -126,3 +126,79 @@ def test_the_report_says_equivalent_different_or_neither(tmp_path):
     text = (tmp_path / "norm.md").read_text()
     assert "equivalent within +-0.025" in text and "| yes |" in text
     assert all((tmp_path / f).is_file() for f in lm_norm_report.FIGURES)
+
+
+# a whole toy norm part ---------------------------------------------------------------------------------------------
+
+TOY = lm_norm.NormScale(
+    name="toy-norm",
+    sizes={"X": (32, 2, 4)},
+    reference="X",
+    seq_len=32,
+    batch_size=2,
+    steps=(12, 12),
+    lrs=(),
+    vocab_size=257,
+    eval_tokens=256,
+    device="cpu",
+    workers=1,
+    threads=None,
+    val_every=5,
+    ckpt_every=4,
+    evals=4,
+    curve_tokens=128,
+    diagnose_windows=2,
+    variants=("diff-matched", "diff-matched-fixed"),
+    grids=dict.fromkeys(("diff-matched", "diff-matched-fixed"), (4e-3, 8e-3, 1.6e-2)),
+    final_seeds=3,
+    rationale="a toy",
+)
+
+
+@pytest.mark.slow
+def test_a_toy_norm_part_tunes_runs_its_seeds_reports_and_resumes(tmp_path, monkeypatch):
+    """Tuning at the whole budget, the grid grown until each best is inside (or the grid is full), the final seeds
+    beyond the tuning ones, the report from the measures; the same command again trains nothing."""
+    from conftest import optional
+
+    from difftransformer.apps.repro import lm_study
+    from difftransformer.store.data import prepare
+    from difftransformer.store.tokenizer import ByteTokenizer
+
+    optional("matplotlib")
+    monkeypatch.setitem(lm_norm.PLANS, "toy", TOY)
+    out = tmp_path / "study"
+    lm_norm.open_norm(out, TOY)
+    docs = [f"{i} the differential transformer cancels attention noise " * (1 + i % 4) for i in range(40)]
+    prepare(docs, ByteTokenizer(), out / "data", val_every=TOY.val_every, split="documents")
+    result = lm_study.run_norm(out, "toy", workers=1)
+    measures = lm.read_measures(out)
+    for v, st in result["tuning"].items():
+        assert st["inside"] or len(st["rates"]) == lm_norm.MAX_RATES, v
+        best = st["best"]
+        for s in range(TOY.final_seeds):
+            assert lm.Run("X", 12, v, best, s).name in measures, (v, s)
+    tuned = sum(len(st["rates"]) for st in result["tuning"].values()) * TOY.tune_seeds
+    assert len(measures) == tuned + 2 * (TOY.final_seeds - TOY.tune_seeds)  # the tuning seeds are final seeds
+    assert {(r["first"], r["second"]) for r in result["contrasts"]} == {("diff-matched", "diff-matched-fixed")}
+    assert "### Contrasts" in (out / "norm.md").read_text()
+    assert all((out / f).stat().st_size > 1000 for f in lm_norm_report.FIGURES)
+    before = {p.name: p.stat().st_mtime_ns for p in (out / "measures").iterdir()}
+    lm_study.run_norm(out, "toy", workers=1)
+    assert {p.name: p.stat().st_mtime_ns for p in (out / "measures").iterdir()} == before
+
+
+def test_repro_lm_runs_the_norm_part_only_when_asked(tmp_path, monkeypatch):
+    from difftransformer.apps.repro import lm_study, suite
+
+    calls = []
+
+    def norm(out, *args):
+        calls.append(("norm", out.name))
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "norm.md").write_text("norm")
+
+    monkeypatch.setattr(lm_study, "run", lambda out, scale, parts, *a: calls.append(("short", parts)))
+    monkeypatch.setattr(lm_study, "run_norm", norm)
+    text = suite.run("lm", tmp_path / "a", seeds=1, parts=("norm",))
+    assert calls == [("norm", "a")] and "norm" in text.read_text()
