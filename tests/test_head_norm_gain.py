@@ -6,6 +6,7 @@ validated, built and kept through a re-initialisation."""
 
 import dataclasses
 import math
+import statistics
 
 import pytest
 import torch
@@ -70,7 +71,7 @@ def _configs():
     for name in PRESETS:
         big = PRESETS[name]["d_model"] > 768
         marks = [] if name in fast else [pytest.mark.slow]
-        out.append(pytest.param(name, 3 if big else None, id=name + ("-first-3-layers" if big else ""), marks=marks))
+        out.append(pytest.param(name, 2 if big else None, id=name + ("-first-2-layers" if big else ""), marks=marks))
     out += [pytest.param(name, None, id=name, marks=[pytest.mark.slow]) for name in STUDY_SIZES]
     return out
 
@@ -83,20 +84,21 @@ def _config(name):
 
 @pytest.mark.parametrize("name, layers", _configs())
 def test_the_rule_gives_every_layer_the_standard_models_attention_rms(name, layers, corpus_bpe):
-    """Within 0.8-1.25 of the measured matched gain at every layer (geometric mean over 3 seeds: the rule is the
-    expected RMS, and one model of width 64 strays from it by up to 20%; the first 3 layers of the paper's sizes,
-    built as in the whole model), on random tokens and on the built-in corpus, the rule told each stream's collision
-    probability (1 / vocabulary; token_collision of the corpus's windows). The gains span a factor of up to 20 over
-    depth, so a rule without depth could not pass. The Zipf default: test_the_zipf_default_holds_on_the_corpus_at_the_
-    studys_sizes."""
+    """Within 0.8-1.25 of the measured matched gain at every layer, on random tokens and on the built-in corpus, the
+    rule told each stream's collision probability (1 / vocabulary; token_collision of the corpus's windows). The
+    geometric mean over 3 seeds below width 1024 (the rule is the expected RMS; one model of width 64 strays from it
+    by up to 20%), one seed above (a model strays by a few percent); the first 2 layers of the paper's sizes, built
+    as in the whole model. The gains span a factor of up to 20 over depth, so a rule without depth could not pass.
+    The Zipf default: test_the_zipf_default_holds_on_the_corpus_at_the_studys_sizes."""
     config = _config(name)
     t, layers = config.max_seq_len, layers or config.n_layers
     g = torch.Generator().manual_seed(0)
     random = torch.randint(0, 2048, (2, t), generator=g)
     text = corpus_bpe[: 2 * t].view(2, t)
     for label, tokens, collision in (("random", random, 1 / 2048), ("corpus", text, token_collision(text))):
-        seeds = [measured_over_rule(config, tokens, collision, layers, seed) for seed in range(3)]
-        ratios = [math.exp(sum(math.log(r) for r in layer) / 3) for layer in zip(*seeds, strict=True)]
+        seeds = range(3 if config.d_model < 1024 else 1)
+        seeds = [measured_over_rule(config, tokens, collision, layers, s) for s in seeds]
+        ratios = [math.exp(statistics.fmean(math.log(r) for r in layer)) for layer in zip(*seeds, strict=True)]
         assert all(LOW <= r <= HIGH for r in ratios), (label, [round(r, 3) for r in ratios])
 
 
