@@ -64,6 +64,10 @@ def analyse(out: Path, measures: dict[str, dict]) -> dict | None:
         finals[v] = {"lr": st["best"], "losses": {s: m["val"]["loss"] for s, m in runs.items()},
                      "curves": {s: m["curve"] for s, m in runs.items()}}  # fmt: skip
     result["finals"] = finals
+    names = {r.name for r in lm_norm.tune_runs(plan, state)}
+    names |= {lm.Run(SIZE, plan.steps[0], v, st["best"], s).name
+              for v, st in state.items() if st["best"] is not None for s in range(plan.final_seeds)}  # fmt: skip
+    result["run_hours"] = sum(measures[n].get("train_seconds", 0.0) for n in names if n in measures) / 3600
     complete = [v for v, f in finals.items() if len(f["losses"]) == plan.final_seeds]
     result["complete"] = complete
     result["contrasts"] = _contrasts(finals, complete)
@@ -136,6 +140,12 @@ def markdown(result: dict) -> list[str]:
         f"{plan['warmup_fraction']:.0%}. Every variant was tuned at this whole schedule ({plan['tune_seeds']} seeds "
         "per rate, rates a factor of 2 apart, extended until the best is inside); the tuning seeds' runs at the best "
         f"rate are the first {plan['tune_seeds']} of its {plan['final_seeds']} final seeds.",
+        "",
+        f"Training so far: {result['run_hours']:.1f} run-hours (the grid's runs, those reused from the long part "
+        "included; two runs at a time: about "
+        f"{result['run_hours'] / 2:.1f} hours of the machine). The issue's second size (3 times the parameters) "
+        "does not fit its 8-hour budget beside this grid on this machine and was cut (`lm_norm`'s docstring has "
+        "the arithmetic).",
         "",
         "### Tuning",
         "",
