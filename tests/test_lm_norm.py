@@ -2,12 +2,14 @@
 names, every run at the whole budget), its learning-rate grid, and its report's statistics (paired contrasts, Holm,
 TOST at the margin), checked against values computed here by hand or by scipy."""
 
+import dataclasses
 import json
 import math
 import statistics
 
 import pytest
 import torch
+from test_lm_long import TOY as LONG_TOY
 
 from difftransformer.apps.repro import lm, lm_long, lm_norm, lm_norm_report, stats
 from difftransformer.core.head_norm_gain import matched_gains
@@ -131,28 +133,12 @@ def test_the_report_says_equivalent_different_or_neither(tmp_path):
 # a whole toy norm part ---------------------------------------------------------------------------------------------
 
 TOY = lm_norm.NormScale(
-    name="toy-norm",
-    sizes={"X": (32, 2, 4)},
-    reference="X",
-    seq_len=32,
-    batch_size=2,
-    steps=(12, 12),
-    lrs=(),
-    vocab_size=257,
-    eval_tokens=256,
-    device="cpu",
-    workers=1,
-    threads=None,
-    val_every=5,
-    ckpt_every=4,
-    evals=4,
-    curve_tokens=128,
-    diagnose_windows=2,
+    **{f.name: getattr(LONG_TOY, f.name) for f in dataclasses.fields(lm_long.LongScale)},
     variants=("diff-matched", "diff-matched-fixed"),
     grids=dict.fromkeys(("diff-matched", "diff-matched-fixed"), (4e-3, 8e-3, 1.6e-2)),
     final_seeds=3,
-    rationale="a toy",
 )
+TOY = dataclasses.replace(TOY, name="toy-norm", steps=(12, 12), evals=4)
 
 
 @pytest.mark.slow
@@ -160,17 +146,15 @@ def test_a_toy_norm_part_tunes_runs_its_seeds_reports_and_resumes(tmp_path, monk
     """Tuning at the whole budget, the grid grown until each best is inside (or the grid is full), the final seeds
     beyond the tuning ones, the report from the measures; the same command again trains nothing."""
     from conftest import optional
+    from test_lm_long import _toy_data
 
     from difftransformer.apps.repro import lm_study
-    from difftransformer.store.data import prepare
-    from difftransformer.store.tokenizer import ByteTokenizer
 
     optional("matplotlib")
     monkeypatch.setitem(lm_norm.PLANS, "toy", TOY)
     out = tmp_path / "study"
     lm_norm.open_norm(out, TOY)
-    docs = [f"{i} the differential transformer cancels attention noise " * (1 + i % 4) for i in range(40)]
-    prepare(docs, ByteTokenizer(), out / "data", val_every=TOY.val_every, split="documents")
+    _toy_data(out)
     result = lm_study.run_norm(out, "toy", workers=1)
     measures = lm.read_measures(out)
     for v, st in result["tuning"].items():

@@ -224,23 +224,31 @@ def tuning(plan: LongScale, measures: dict[str, dict]) -> dict[str, dict]:
     """Each tuned variant's learning-rate grid as far as the measured runs have grown it: {variant: {rates,
     losses (rate -> [loss per seed] of the measured runs), best (None until every run of the grid is measured),
     at_edge, done}}."""
-    out = {}
-    for variant in TUNED:
-        rates = list(plan.lrs)
-        while True:
-            losses = {}
-            for lr in rates:
-                found = [measures[r.name]["val"]["loss"] for r in _tune_runs(plan, variant, [lr]) if r.name in measures]
-                if found:
-                    losses[lr] = found
-            complete = all(len(losses.get(lr, [])) == plan.tune_seeds for lr in rates)
-            best = min(rates, key=lambda lr: statistics.fmean(losses[lr])) if complete else None
-            edge = best is not None and best in (rates[0], rates[-1])
-            if not edge or len(rates) >= MAX_RATES:
-                break
-            rates = [rates[0] / RATE_FACTOR, *rates] if best == rates[0] else [*rates, rates[-1] * RATE_FACTOR]
-        out[variant] = {"rates": rates, "losses": losses, "best": best, "at_edge": edge, "done": best is not None}
-    return out
+    return {
+        v: grown_grid(plan.lrs, lambda rates, v=v: _tune_runs(plan, v, rates), measures, plan.tune_seeds, MAX_RATES)
+        for v in TUNED
+    }
+
+
+def grown_grid(first: tuple[float, ...], runs_of, measures: dict[str, dict], seeds: int, max_rates: int) -> dict:
+    """A learning-rate grid grown from the rates ``first`` as far as the measured runs allow: while the best rate
+    (the lowest mean loss over the ``seeds`` runs of each rate, ``runs_of([rate])``) is at an edge, the next rate
+    beyond it (a factor of ``RATE_FACTOR``), up to ``max_rates`` rates. {rates, losses (rate -> [loss per measured
+    seed]), best (None until every run of the grid is measured), at_edge, done}."""
+    rates = list(first)
+    while True:
+        losses = {}
+        for lr in rates:
+            found = [measures[r.name]["val"]["loss"] for r in runs_of([lr]) if r.name in measures]
+            if found:
+                losses[lr] = found
+        complete = all(len(losses.get(lr, [])) == seeds for lr in rates)
+        best = min(rates, key=lambda lr: statistics.fmean(losses[lr])) if complete else None
+        edge = best is not None and best in (rates[0], rates[-1])
+        if not edge or len(rates) >= max_rates:
+            break
+        rates = [rates[0] / RATE_FACTOR, *rates] if best == rates[0] else [*rates, rates[-1] * RATE_FACTOR]
+    return {"rates": rates, "losses": losses, "best": best, "at_edge": edge, "done": best is not None}
 
 
 def _tune_runs(plan: LongScale, variant: str, rates: list[float]) -> list[lm.Run]:
@@ -429,9 +437,14 @@ def _processor() -> str:
 
 # the stages (lm_study.run_long runs them) ------------------------------------------------------------------
 def tune_stage(plan: LongScale, out: Path, data: Path, workers: int, log_to: str = "jsonl") -> None:
+    tune_until_inside(plan, out, data, workers, log_to, tuning, tune_runs)
+
+
+def tune_until_inside(plan, out: Path, data: Path, workers: int, log_to: str, state_of, runs_of) -> None:
+    """Train the grids' runs (``runs_of(plan, state_of(plan, measures))``) until measuring them grows no grid."""
     while True:
-        state = tuning(plan, lm.read_measures(out))
-        todo = [r for r in tune_runs(plan, state) if r.name not in lm.read_measures(out)]
+        state = state_of(plan, lm.read_measures(out))
+        todo = [r for r in runs_of(plan, state) if r.name not in lm.read_measures(out)]
         if not todo:
             return
         lm.execute(todo, plan, out, data, workers, log_to)

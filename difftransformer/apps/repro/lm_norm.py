@@ -32,7 +32,6 @@ again. The plan is recorded in ``NORM_PLAN``.
 from __future__ import annotations
 
 import dataclasses
-import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -41,8 +40,7 @@ from difftransformer.apps.repro.lm_long import SIZE, LongScale
 from difftransformer.fsutil import open_plan
 
 NORM_PLAN = "norm.json"
-MAX_RATES = 6
-RATE_FACTOR = 2.0
+MAX_RATES = 6  # a variant's grid grows by RATE_FACTOR (lm_long) to at most this many rates
 
 # name: (attention, ModelConfig options); the matched V2's feed-forward width is added by the plan
 NORM_VARIANTS: dict[str, tuple[str, dict]] = {
@@ -130,23 +128,12 @@ def _tune_runs(plan: NormScale, variant: str, rates: list[float]) -> list[lm.Run
 def tuning(plan: NormScale, measures: dict[str, dict]) -> dict[str, dict]:
     """Each variant's learning-rate grid as far as the measured runs have grown it: {variant: {rates, losses (rate ->
     [loss per seed]), best (None until every run of the grid is measured), at_edge, done}}."""
-    out = {}
-    for variant in plan.variants:
-        rates = list(plan.grids[variant])
-        while True:
-            losses = {}
-            for lr in rates:
-                found = [measures[r.name]["val"]["loss"] for r in _tune_runs(plan, variant, [lr]) if r.name in measures]
-                if found:
-                    losses[lr] = found
-            complete = all(len(losses.get(lr, [])) == plan.tune_seeds for lr in rates)
-            best = min(rates, key=lambda lr: statistics.fmean(losses[lr])) if complete else None
-            edge = best is not None and best in (rates[0], rates[-1])
-            if not edge or len(rates) >= MAX_RATES:
-                break
-            rates = [rates[0] / RATE_FACTOR, *rates] if best == rates[0] else [*rates, rates[-1] * RATE_FACTOR]
-        out[variant] = {"rates": rates, "losses": losses, "best": best, "at_edge": edge, "done": best is not None}
-    return out
+    return {
+        v: lm_long.grown_grid(
+            plan.grids[v], lambda rates, v=v: _tune_runs(plan, v, rates), measures, plan.tune_seeds, MAX_RATES
+        )
+        for v in plan.variants
+    }
 
 
 def tune_runs(plan: NormScale, state: dict[str, dict]) -> list[lm.Run]:
@@ -162,12 +149,7 @@ def final_runs(plan: NormScale, state: dict[str, dict]) -> list[lm.Run]:
 
 
 def tune_stage(plan: NormScale, out: Path, data: Path, workers: int, log_to: str = "jsonl") -> None:
-    while True:
-        state = tuning(plan, lm.read_measures(out))
-        todo = [r for r in tune_runs(plan, state) if r.name not in lm.read_measures(out)]
-        if not todo:
-            return
-        lm.execute(todo, plan, out, data, workers, log_to)
+    lm_long.tune_until_inside(plan, out, data, workers, log_to, tuning, tune_runs)
 
 
 def final_stage(plan: NormScale, out: Path, data: Path, workers: int, log_to: str = "jsonl") -> None:

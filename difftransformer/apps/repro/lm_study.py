@@ -67,16 +67,9 @@ def run_long(
     data = lm.ensure_data(out, plan, corpora)
     workers = plan.workers if workers is None else workers
     plan = lm_long.decided_plan(plan, out, data, seeds)
-    stages = (("long-tune", lambda: lm_long.tune_stage(plan, out, data, workers, log_to)),
-              ("long", lambda: lm_long.long_stage(plan, out, data, workers, seeds, log_to)),
-              ("long-timing", lambda: lm_long.timing_stage(plan, out, data, seeds)))  # fmt: skip
-    for name, stage in stages:
-        start = time.perf_counter()
-        try:
-            stage()
-        finally:
-            total = lm.add_time(out, name, time.perf_counter() - start)
-        print(f"difftx repro lm: {name} done, {total / 60:.1f} min in all", flush=True)
+    _stages(out, (("long-tune", lambda: lm_long.tune_stage(plan, out, data, workers, log_to)),
+                  ("long", lambda: lm_long.long_stage(plan, out, data, workers, seeds, log_to)),
+                  ("long-timing", lambda: lm_long.timing_stage(plan, out, data, seeds))))  # fmt: skip
     return lm_report.write_study(out)
 
 
@@ -95,8 +88,13 @@ def run_norm(
     data = lm.ensure_data(out, plan, corpora)
     workers = plan.workers if workers is None else workers
     plan = lm_norm.decided_plan(plan)
-    stages = (("norm-tune", lambda: lm_norm.tune_stage(plan, out, data, workers, log_to)),
-              ("norm-final", lambda: lm_norm.final_stage(plan, out, data, workers, log_to)))  # fmt: skip
+    _stages(out, (("norm-tune", lambda: lm_norm.tune_stage(plan, out, data, workers, log_to)),
+                  ("norm-final", lambda: lm_norm.final_stage(plan, out, data, workers, log_to))))  # fmt: skip
+    return lm_norm_report.write(out)
+
+
+def _stages(out: Path, stages) -> None:
+    """Run each (name, stage) in order, adding its seconds to the study's timings (even when it fails)."""
     for name, stage in stages:
         start = time.perf_counter()
         try:
@@ -104,7 +102,6 @@ def run_norm(
         finally:
             total = lm.add_time(out, name, time.perf_counter() - start)
         print(f"difftx repro lm: {name} done, {total / 60:.1f} min in all", flush=True)
-    return lm_norm_report.write(out)
 
 
 def _checked(plans: dict, scale: str, steps: int | None, short: int, out, corpora):
