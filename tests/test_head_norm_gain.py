@@ -86,8 +86,8 @@ def _config(name):
 def test_the_rule_gives_every_layer_the_standard_models_attention_rms(name, layers, corpus_bpe):
     """Within 0.8-1.25 of the measured matched gain at every layer, on random tokens and on the built-in corpus, the
     rule told each stream's collision probability (1 / vocabulary; token_collision of the corpus's windows). The
-    geometric mean over 3 seeds below width 1024 (the rule is the expected RMS; one model of width 64 strays from it
-    by up to 20%), one seed above (a model strays by a few percent); the first 2 layers of the paper's sizes, built
+    geometric mean over 3 seeds up to width 128 (the rule is the expected RMS; one model of width 64 strays from it
+    by up to 28%), one seed above (one strays by up to 17% at width 256, less wider); the first 2 layers of the paper's sizes, built
     as in the whole model. The gains span a factor of up to 20 over depth, so a rule without depth could not pass.
     The Zipf default: test_the_zipf_default_holds_on_the_corpus_at_the_studys_sizes."""
     config = _config(name)
@@ -96,7 +96,7 @@ def test_the_rule_gives_every_layer_the_standard_models_attention_rms(name, laye
     random = torch.randint(0, 2048, (2, t), generator=g)
     text = corpus_bpe[: 2 * t].view(2, t)
     for label, tokens, collision in (("random", random, 1 / 2048), ("corpus", text, token_collision(text))):
-        seeds = range(3 if config.d_model < 1024 else 1)
+        seeds = range(3 if config.d_model <= 128 else 1)
         seeds = [measured_over_rule(config, tokens, collision, layers, s) for s in seeds]
         ratios = [math.exp(statistics.fmean(math.log(r) for r in layer)) for layer in zip(*seeds, strict=True)]
         assert all(LOW <= r <= HIGH for r in ratios), (label, [round(r, 3) for r in ratios])
