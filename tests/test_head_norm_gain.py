@@ -87,9 +87,9 @@ def test_the_rule_gives_every_layer_the_standard_models_attention_rms(name, laye
     """Within 0.8-1.25 of the measured matched gain at every layer, on random tokens and on the built-in corpus, the
     rule told each stream's collision probability (1 / vocabulary; token_collision of the corpus's windows). The
     geometric mean over 3 seeds up to width 128 (the rule is the expected RMS; one model of width 64 strays from it
-    by up to 28%), one seed above (one strays by up to 17% at width 256, less wider); the first 2 layers of the paper's sizes, built
-    as in the whole model. The gains span a factor of up to 20 over depth, so a rule without depth could not pass.
-    The Zipf default: test_the_zipf_default_holds_on_the_corpus_at_the_studys_sizes."""
+    by up to 28%), one seed above (one strays by up to 17% at width 256, less when wider); the first 2 layers of the
+    paper's sizes, built as in the whole model. The gains span a factor of up to 20 over depth, so a rule without
+    depth could not pass. The Zipf default: test_the_zipf_default_holds_on_the_corpus_at_the_studys_sizes."""
     config = _config(name)
     t, layers = config.max_seq_len, layers or config.n_layers
     g = torch.Generator().manual_seed(0)
@@ -104,7 +104,7 @@ def test_the_rule_gives_every_layer_the_standard_models_attention_rms(name, laye
 
 @pytest.mark.parametrize("name", ["tiny", "small", pytest.param("X", marks=pytest.mark.slow)])
 def test_the_zipf_default_holds_on_the_corpus_at_the_studys_sizes(name, corpus_bpe):
-    """The data-free default (Zipf's law, 0.024 for 2048 tokens against the corpus's 0.015) within the band at the
+    """The data-free default (Zipf's law, 0.024 for 2048 tokens against the corpus's 0.01) within the band at the
     sizes the study and the demo train; at context 1024 and more its first layers fall to 0.76 (docs/guide/modules.md:
     set head_norm_collision there)."""
     config = dataclasses.replace(_config(name), head_norm_gain="matched")

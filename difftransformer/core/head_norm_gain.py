@@ -26,7 +26,7 @@ modules.md, "The per-head norm's initial gain"):
   the rule needs. ``ModelConfig.head_norm_collision`` gives it (``token_collision`` measures it on token windows);
   left None, ``"matched"`` assumes text whose token frequencies follow Zipf's law over the vocabulary
   (``zipf_collision``: 0.044 for 257 byte tokens, 0.024 for 2048); uniformly random tokens have ``1 / vocab_size``.
-  The built-in corpus has 0.07 as bytes and 0.015 as a 2048-token BPE, so the Zipf default is off by up to 1.3x
+  The built-in corpus has 0.07 as bytes and 0.01 as a 2048-token BPE, so the Zipf default is off by up to 1.3x
   in the first layers there (docs/guide/modules.md has the measurements).
 
 ``experiments/calibration/head_norm_gain.py`` measures the rule against real models; ``tests/test_head_norm_gain.py``
