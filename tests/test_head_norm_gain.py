@@ -184,15 +184,16 @@ def test_matched_saves_as_the_option_and_reloads_to_the_same_weights(tmp_path):
     assert again == config and again.head_norm_gains() == config.head_norm_gains()
 
 
-def test_a_fixed_gain_starts_as_the_learned_one_but_keeps_weight_one():
+@pytest.mark.parametrize("kind", [{}, {"attention": "standard", "head_norm": True}], ids=["diff", "standard"])
+def test_a_fixed_gain_starts_as_the_learned_one_but_keeps_weight_one(kind):
     """head_norm_gain_fixed: the same function at initialisation (the forward, the lean training path, generation;
     the fused decode step in test_decode_kernel), the weight at 1, the gain a constant; the learned weight then moves
     lr per step against the fixed one's lr / gain (Adam), so one step apart the two models differ."""
     torch.manual_seed(0)
-    learned = TransformerLM(ModelConfig(**BASE, head_norm_gain="matched"))
+    learned = TransformerLM(ModelConfig(**BASE, **kind, head_norm_gain="matched"))
     torch.manual_seed(0)
-    fixed = TransformerLM(ModelConfig(**BASE, head_norm_gain="matched", head_norm_gain_fixed=True))
-    assert fixed.config.is_ablation and not learned.config.is_ablation
+    fixed = TransformerLM(ModelConfig(**BASE, **kind, head_norm_gain="matched", head_norm_gain_fixed=True))
+    assert fixed.config.is_ablation and learned.config.is_ablation == bool(kind)  # head_norm on standard: an ablation
     assert all(torch.all(b.attn.subln.weight == 1) for b in fixed.layers)
     x = torch.randint(0, 97, (2, 20), generator=torch.Generator().manual_seed(1))
     torch.testing.assert_close(fixed.train()(x), learned.train()(x), rtol=1e-5, atol=1e-6)
