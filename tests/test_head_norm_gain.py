@@ -65,12 +65,20 @@ def corpus_bpe(tmp_path_factory):
     return torch.tensor(tokenizer.encode("".join(corpus.pydocs_documents())), dtype=torch.long)
 
 
+XFAIL = {  # measured against the rule where it is known to miss (docs/guide/modules.md)
+    "13.1b": "logits of std 2 at width 5120: the rule's log-normal softmax average over-counts the averaging there, "
+    "starting the first layers 1.4-1.5 times too high (measured / rule 0.65 and 0.71 on random tokens)",
+}
+
+
 def _configs():
     fast = {"tiny", "small"}
     out = []
     for name in PRESETS:
         big = PRESETS[name]["d_model"] > 768
         marks = [] if name in fast else [pytest.mark.slow]
+        if name in XFAIL:
+            marks.append(pytest.mark.xfail(strict=True, reason=XFAIL[name]))
         out.append(pytest.param(name, 2 if big else None, id=name + ("-first-2-layers" if big else ""), marks=marks))
     out += [pytest.param(name, None, id=name, marks=[pytest.mark.slow]) for name in STUDY_SIZES]
     return out
@@ -88,14 +96,17 @@ def test_the_rule_gives_every_layer_the_standard_models_attention_rms(name, laye
     rule told each stream's collision probability (1 / vocabulary; token_collision of the corpus's windows). The
     geometric mean over 3 seeds up to width 128 (the rule is the expected RMS; one model of width 64 strays from it
     by up to 28%), one seed above (one strays by up to 17% at width 256, less when wider); the first 2 layers of the
-    paper's sizes, built as in the whole model. The gains span a factor of up to 20 over depth, so a rule without
-    depth could not pass. The Zipf default: test_the_zipf_default_holds_on_the_corpus_at_the_studys_sizes."""
+    paper's sizes, built as in the whole model (above width 2048 one window of random tokens). The gains span a factor
+    of up to 20 over depth, so a rule without depth could not pass. It misses at 13.1b's width (XFAIL). The Zipf
+    default: test_the_zipf_default_holds_on_the_corpus_at_the_studys_sizes."""
     config = _config(name)
     t, layers = config.max_seq_len, layers or config.n_layers
     g = torch.Generator().manual_seed(0)
-    random = torch.randint(0, 2048, (2, t), generator=g)
-    text = corpus_bpe[: 2 * t].view(2, t)
-    for label, tokens, collision in (("random", random, 1 / 2048), ("corpus", text, token_collision(text))):
+    windows = 2 if config.d_model <= 2048 else 1  # the widest models: one window, random tokens only (CI's time)
+    random = torch.randint(0, 2048, (windows, t), generator=g)
+    text = corpus_bpe[: windows * t].view(windows, t)
+    streams = (("random", random, 1 / 2048), ("corpus", text, token_collision(text)))
+    for label, tokens, collision in streams[: 2 if config.d_model <= 2048 else 1]:
         seeds = range(3 if config.d_model <= 128 else 1)
         seeds = [measured_over_rule(config, tokens, collision, layers, s) for s in seeds]
         ratios = [math.exp(statistics.fmean(math.log(r) for r in layer)) for layer in zip(*seeds, strict=True)]
