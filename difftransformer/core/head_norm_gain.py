@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Any
 
 import numpy as np
 import torch
@@ -166,7 +167,7 @@ def averaged_value_rms(config, collision: float, positions: int | None = None) -
     return rho
 
 
-def matched_gains(config, collision: float | None = None) -> tuple[float, ...]:
+def matched_gains(config: Any, collision: float | None = None) -> tuple[float, ...]:
     """The per-layer initial weight of the per-head norm that gives the attention blocks of ``config`` (``diff``,
     or ``standard`` with ``head_norm``) the standard model's output RMS at initialisation: what
     ``ModelConfig(head_norm_gain="matched")`` starts the norms at (the module docstring derives it).
