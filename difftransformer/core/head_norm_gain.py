@@ -8,10 +8,10 @@ norm weight at which the block's output has, at initialisation, the RMS of the s
 the same layer (the standard model of the same configuration, ``attention="standard"``). Derivation (docs/guide/
 modules.md, "The per-head norm's initial gain"):
 
-- At initialisation the logits are small, so every head's map is the causal uniform one: a head's output at position
-  t is the mean of the values of positions 0..t. Both blocks then write through ``out_proj`` (std ``s_o``) a D-wide
-  vector of heads. A normed head writes RMS ``g`` per component, times ``1 - lambda_init`` in DIFF, so DIFF's block
-  output has RMS ``g (1 - lambda_init) s_o sqrt(D)`` whatever the data.
+- At initialisation a head's output at position t averages the values of positions 0..t, weighted by the softmax
+  of logits of variance ``(init_std^2 D)^2`` (nearly uniform weights in small models). Both blocks then write
+  through ``out_proj`` (std ``s_o``) a D-wide vector of heads. A normed head writes RMS ``g`` per component, times
+  ``1 - lambda_init`` in DIFF, so DIFF's block output has RMS ``g (1 - lambda_init) s_o sqrt(D)`` whatever the data.
 - The standard block writes ``s_o sqrt(D)`` times the RMS of its averaged values, ``init_std sqrt(D) rho_l``, where
   ``rho_l`` is the RMS over positions of the causal mean of the layer's normalised inputs. So
   ``g_l = init_std sqrt(D) rho_l / (1 - lambda_init_l)`` (without the ``1 - lambda_init`` for the standard model
@@ -144,8 +144,12 @@ def averaged_value_rms(config, collision: float, positions: int | None = None) -
     model of ``config``'s shape, at initialisation (see the module docstring), for tokens that coincide with
     probability ``collision``, over ``positions`` (default ``config.max_seq_len``)."""
     t = positions or config.max_seq_len
-    d, eps, std = config.d_model, config.norm_eps, config.init_std
-    out_var = std * std / (2 * config.n_layers)  # out_proj and down_proj (TransformerLM.reset_parameters)
+    return list(_rho(config.d_model, config.n_layers, config.ffn_dim, t, config.norm_eps, config.init_std, collision))
+
+
+@functools.lru_cache(maxsize=64)
+def _rho(d: int, n_layers: int, ffn_dim: int, t: int, eps: float, std: float, collision: float) -> tuple[float, ...]:
+    out_var = std * std / (2 * n_layers)  # out_proj and down_proj (TransformerLM.reset_parameters)
     in_var = std * std * d  # one row of q/k/v/gate/up times a unit-RMS input
     kernel = _swiglu_kernel(in_var)
     eye = torch.eye(t, dtype=torch.float64, device="cpu")  # on the CPU whatever the default device (meta, CUDA)
@@ -156,15 +160,15 @@ def averaged_value_rms(config, collision: float, positions: int | None = None) -
         return (cov * inv[:, None]).mul_(inv[None, :])
 
     rho = []
-    for _ in range(config.n_layers):
+    for _ in range(n_layers):
         means = _causal_means(normalised(cov), in_var * in_var)  # logits q.k / sqrt(d): variance (std^2 D)^2
         rho.append(math.sqrt(means.diagonal().mean().item()))
         cov.add_(means, alpha=out_var * d * in_var)  # the attention block: out_proj(v_proj(causal means))
         del means
         c = normalised(cov)
-        cov.add_(_polyval(kernel, c), alpha=out_var * config.ffn_dim * in_var)  # down(silu(gate) * up)
+        cov.add_(_polyval(kernel, c), alpha=out_var * ffn_dim * in_var)  # down(silu(gate) * up)
         del c
-    return rho
+    return tuple(rho)
 
 
 def matched_gains(config: Any, collision: float | None = None) -> tuple[float, ...]:
@@ -190,28 +194,9 @@ def matched_gains(config: Any, collision: float | None = None) -> tuple[float, .
     p = zipf_collision(config.vocab_size) if collision is None else float(collision)
     if not 0 <= p <= 1:
         raise ValueError(f"collision is a probability in [0, 1], got {collision!r}")
-    lam = None
-    if config.attention == "diff":
-        lam = tuple(
-            lambda_init_fn(i) if config.lambda_init is None else config.lambda_init for i in range(config.n_layers)
-        )
-    shape = (config.d_model, config.n_layers, config.ffn_dim, config.max_seq_len, config.norm_eps, config.init_std)
-    return _gains(shape, p, lam)
-
-
-@functools.lru_cache(maxsize=64)
-def _gains(shape: tuple, collision: float, lambda_init: tuple[float, ...] | None) -> tuple[float, ...]:
-    d_model, n_layers, ffn_dim, positions, norm_eps, init_std = shape
-    rho = averaged_value_rms(_Shape(*shape), collision)
-    factor = math.sqrt(d_model) * init_std
-    if lambda_init is None:
+    rho = averaged_value_rms(config, p)
+    factor = math.sqrt(config.d_model) * config.init_std
+    if config.attention != "diff":
         return tuple(factor * r for r in rho)
-    return tuple(factor * r / (1 - lam) for r, lam in zip(rho, lambda_init, strict=True))
-
-
-class _Shape:
-    """What ``averaged_value_rms`` reads of a config."""
-
-    def __init__(self, d_model, n_layers, ffn_dim, max_seq_len, norm_eps, init_std) -> None:
-        self.d_model, self.n_layers, self.ffn_dim = d_model, n_layers, ffn_dim
-        self.max_seq_len, self.norm_eps, self.init_std = max_seq_len, norm_eps, init_std
+    lam = [lambda_init_fn(i) if config.lambda_init is None else config.lambda_init for i in range(config.n_layers)]
+    return tuple(factor * r / (1 - x) for r, x in zip(rho, lam, strict=True))

@@ -158,6 +158,7 @@ class MultiheadDiffAttn(AttentionBase):
         self.subln = RMSNorm(2 * d, eps=norm_eps) if head_norm else None
         self._set_head_norm_gain(head_norm_gain, head_norm_gain_fixed)
         self.reset_lambda()
+        self.reset_head_norm()
 
     @property
     def impl(self) -> str:
@@ -184,10 +185,9 @@ class MultiheadDiffAttn(AttentionBase):
         )
 
     def reset_lambda(self, generator: torch.Generator | None = None) -> None:
-        """Re-draw the four lambda vectors from N(0, 0.1) and reset the per-head norm's weight to ``head_norm_gain``."""
+        """Re-draw the four lambda vectors from N(0, 0.1) (the per-head norm: ``reset_head_norm``)."""
         for p in (self.lambda_q1, self.lambda_k1, self.lambda_q2, self.lambda_k2):
             nn.init.normal_(p, mean=0.0, std=0.1, generator=generator)
-        self.reset_head_norm()
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, *args, **kwargs) -> None:
         version = (local_metadata or {}).get("version") or 0
