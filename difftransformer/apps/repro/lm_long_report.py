@@ -115,7 +115,7 @@ def _regime(plan: LongScale, train_tokens: int) -> dict:
     }
 
 
-def _curve_mean(curves: list[list[list[float]]]) -> list[list[float]]:
+def curve_mean(curves: list[list[list[float]]]) -> list[list[float]]:
     """[tokens, mean loss] at the evaluation points every seed has."""
     points = set.intersection(*({c[1] for c in curve} for curve in curves))
     by = [{c[1]: c[2] for c in curve} for curve in curves]
@@ -153,7 +153,7 @@ def _variant(v: str, long: dict, plan: LongScale, timing: dict | None) -> dict:
         for key, name in (("loss", "minus_standard"), ("recall_loss", "recall_minus_standard"),
                           ("other_loss", "other_minus_standard")):  # fmt: skip
             row[name] = _paired({s: runs[s]["val"][key] for s in seeds}, {s: base[s]["val"][key] for s in seeds})
-        row["gap_curve"] = _gap_curve(runs, base, seeds)
+        row["gap_curve"] = gap_curve({s: runs[s]["curve"] for s in seeds}, {s: base[s]["curve"] for s in seeds})
         positions = [
             [a - b for a, b in zip(runs[s]["per_position"], base[s]["per_position"], strict=True)] for s in seeds
         ]
@@ -191,10 +191,12 @@ def _paired(first: dict[int, float], second: dict[int, float]) -> dict | None:
     return stats.paired(first, second)
 
 
-def _gap_curve(runs: dict, base: dict, seeds: list[int]) -> list[list[float]]:
-    """[tokens, mean, low, high] of the paired difference (variant - standard) at each evaluation point."""
-    by = {s: {c[1]: c[2] for c in runs[s]["curve"]} for s in seeds}
-    ref = {s: {c[1]: c[2] for c in base[s]["curve"]} for s in seeds}
+def gap_curve(curves: dict[int, list], base: dict[int, list]) -> list[list[float]]:
+    """[tokens, mean, low, high] of the paired difference (variant - standard) at each evaluation point that every
+    seed of both has, from the validation curves ([step, tokens, loss] points) by seed."""
+    seeds = sorted(set(curves) & set(base))
+    by = {s: {c[1]: c[2] for c in curves[s]} for s in seeds}
+    ref = {s: {c[1]: c[2] for c in base[s]} for s in seeds}
     points = sorted(set.intersection(*(set(by[s]) & set(ref[s]) for s in seeds)))
     return [[t, *stats.t_interval([by[s][t] - ref[s][t] for s in seeds])] for t in points]
 
@@ -633,7 +635,7 @@ def _plot_curves(result: dict, path: Path) -> None:
         for curve in row["curves"]:
             axes[0].plot([c[1] for c in curve], [c[2] for c in curve], color=COLORS[v], lw=0.6, alpha=0.45)
             lows.append(min(c[2] for c in curve))
-        mean = _curve_mean(row["curves"])
+        mean = curve_mean(row["curves"])
         axes[0].plot([m[0] for m in mean], [m[1] for m in mean], color=COLORS[v], lw=2, label=SHORT[v])
         if timing:
             sec = step_seconds(timing, v) / tokens_per_step
@@ -645,7 +647,7 @@ def _plot_curves(result: dict, path: Path) -> None:
             for ax in (axes[1], axes[3]) if near else (axes[1],):
                 ax.plot(xs, [g[1] for g in gap], color=COLORS[v], lw=2)
                 ax.fill_between(xs, [g[2] for g in gap], [g[3] for g in gap], color=COLORS[v], alpha=0.12)
-    means = [_curve_mean(rows[v]["curves"]) for v in LONG_VARIANTS]
+    means = [curve_mean(rows[v]["curves"]) for v in LONG_VARIANTS]
     top = max(m[len(m) // 8][1] for m in means)  # the first eighth of training is off the top: the rest is readable
     for ax in (axes[0], axes[2]):
         ax.set_ylim(min(lows) - 0.05, top + 0.05)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from difftransformer.apps import figures
 from difftransformer.apps.repro import lm, lm_norm, stats
-from difftransformer.apps.repro.lm_long_report import _curve_mean, tokens_to_reach
+from difftransformer.apps.repro.lm_long_report import curve_mean, gap_curve, tokens_to_reach
 from difftransformer.apps.repro.lm_norm import LABELS, NORM_PLAN, NORM_VARIANTS, SIZE, NormScale
 from difftransformer.fsutil import read_json_object, write_text_atomic
 
@@ -244,22 +244,17 @@ def _plot_curves(result: dict, path: Path) -> None:
     start = total / 4
     lows, highs, gaps = [], [], []
     for v, row in finals.items():
-        mean = [m for m in _curve_mean(list(row["curves"].values())) if m[0] >= start]
+        mean = [m for m in curve_mean(list(row["curves"].values())) if m[0] >= start]
         ax0.plot([m[0] for m in mean], [m[1] for m in mean], color=COLORS[v], lw=2, label=LABELS[v])
         lows.append(min(m[1] for m in mean))
         highs.append(max(m[1] for m in mean))
         if v == "standard" or "standard" not in finals:
             continue
-        base = finals["standard"]["curves"]
-        seeds = sorted(set(row["curves"]) & set(base))
-        by = [{c[1]: c[2] for c in row["curves"][s]} for s in seeds]
-        ref = [{c[1]: c[2] for c in base[s]} for s in seeds]
-        shared = set.intersection(*(set(b) & set(r) for b, r in zip(by, ref, strict=True)))
-        points = sorted(t for t in shared if t >= start)
-        band = [stats.t_interval([b[t] - r[t] for b, r in zip(by, ref, strict=True)]) for t in points]
-        ax1.plot(points, [x[0] for x in band], color=COLORS[v], lw=2)
-        ax1.fill_between(points, [x[1] for x in band], [x[2] for x in band], color=COLORS[v], alpha=0.12)
-        gaps += [y for x in band for y in x]
+        band = [g for g in gap_curve(row["curves"], finals["standard"]["curves"]) if g[0] >= start]
+        points = [g[0] for g in band]
+        ax1.plot(points, [g[1] for g in band], color=COLORS[v], lw=2)
+        ax1.fill_between(points, [g[2] for g in band], [g[3] for g in band], color=COLORS[v], alpha=0.12)
+        gaps += [y for g in band for y in g[1:]]
     ax0.set(xlabel="training tokens", ylabel="validation loss (nats), mean of the seeds",
             ylim=(min(lows) - 0.02, max(highs) + 0.02))  # fmt: skip
     ax1.axhline(0, color="k", lw=0.8)
