@@ -9,6 +9,7 @@ import statistics
 
 import pytest
 import torch
+from conftest import optional
 from test_lm_long import TOY as LONG_TOY
 
 from difftransformer.apps.repro import lm, lm_long, lm_norm, lm_norm_report, stats
@@ -103,6 +104,7 @@ def test_paired_test_against_scipy():
 def test_the_report_says_equivalent_different_or_neither(tmp_path):
     """Five seeds each: one variant within a hair of the baseline (equivalent at 0.025), one 0.3 above (higher),
     one noisy (neither: 'not distinguishable at' its simultaneous interval's largest bound)."""
+    optional("matplotlib")  # write draws the figures too
     base = [3.70, 3.68, 3.71, 3.69, 3.72]
     finals = {v: [x + 0.3 for x in base] for v in lm_norm.NORM_VARIANTS}
     finals["standard"] = base
@@ -145,7 +147,6 @@ TOY = dataclasses.replace(TOY, name="toy-norm", steps=(12, 12), evals=4)
 def test_a_toy_norm_part_tunes_runs_its_seeds_reports_and_resumes(tmp_path, monkeypatch):
     """Tuning at the whole budget, the grid grown until each best is inside (or the grid is full), the final seeds
     beyond the tuning ones, the report from the measures; the same command again trains nothing."""
-    from conftest import optional
     from test_lm_long import _toy_data
 
     from difftransformer.apps.repro import lm_study
