@@ -12,7 +12,7 @@ import torch
 from conftest import optional
 from test_lm_long import TOY as LONG_TOY
 
-from difftransformer.apps.repro import lm, lm_long, lm_norm, lm_norm_report, stats
+from difftransformer.apps.repro import lm, lm_long, lm_norm, lm_norm_report, lm_report, stats
 from difftransformer.core.head_norm_gain import matched_gains
 from difftransformer.core.model import TransformerLM, count_parameters
 
@@ -119,7 +119,7 @@ def test_the_report_says_equivalent_different_or_neither(tmp_path):
     (tmp_path / "measures").mkdir()
     for name, m in measures.items():
         (tmp_path / "measures" / f"{name}.json").write_text(json.dumps(m))
-    result = lm_norm_report.write(tmp_path)
+    result = lm_report.write_study(tmp_path)["norm"]
     rows = {(r["first"], r["second"]): r for r in result["contrasts"]}
     assert len(rows) == len(lm_norm_report.CONTRASTS)
     assert rows["diff-matched", "standard"]["verdict"] == "equivalent within +-0.025"
@@ -127,7 +127,7 @@ def test_the_report_says_equivalent_different_or_neither(tmp_path):
     noisy = rows["diff_v2-matched", "standard"]
     assert noisy["verdict"] == f"not distinguishable at +-{max(abs(noisy['low']), abs(noisy['high'])):.3f}"
     assert all(r["p_zero_holm"] >= r["p_zero"] for r in rows.values())
-    text = (tmp_path / "norm.md").read_text()
+    text = (tmp_path / "section.md").read_text()
     assert "equivalent within +-0.025" in text and "| yes |" in text
     assert all((tmp_path / f).is_file() for f in lm_norm_report.FIGURES)
 
@@ -166,7 +166,7 @@ def test_a_toy_norm_part_tunes_runs_its_seeds_reports_and_resumes(tmp_path, monk
     tuned = sum(len(st["rates"]) for st in result["tuning"].values()) * TOY.tune_seeds
     assert len(measures) == tuned + 2 * (TOY.final_seeds - TOY.tune_seeds)  # the tuning seeds are final seeds
     assert {(r["first"], r["second"]) for r in result["contrasts"]} == {("diff-matched", "diff-matched-fixed")}
-    assert "### Contrasts" in (out / "norm.md").read_text()
+    assert "### Contrasts" in (out / "section.md").read_text()
     assert all((out / f).stat().st_size > 1000 for f in lm_norm_report.FIGURES)
     before = {p.name: p.stat().st_mtime_ns for p in (out / "measures").iterdir()}
     lm_study.run_norm(out, "toy", workers=1)
@@ -181,7 +181,7 @@ def test_repro_lm_runs_the_norm_part_only_when_asked(tmp_path, monkeypatch):
     def norm(out, *args):
         calls.append(("norm", out.name))
         out.mkdir(parents=True, exist_ok=True)
-        (out / "norm.md").write_text("norm")
+        (out / "section.md").write_text("norm")
 
     monkeypatch.setattr(lm_study, "run", lambda out, scale, parts, *a: calls.append(("short", parts)))
     monkeypatch.setattr(lm_study, "run_norm", norm)

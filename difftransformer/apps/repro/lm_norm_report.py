@@ -1,5 +1,6 @@
-"""The norm part's report (``difftx repro lm --part norm``, ``lm_norm``): norm.md, norm_results.json and two figures,
-written from the plan file and the measured runs only (``write`` rebuilds them all from ``measures/``).
+"""The norm part's report (``difftx repro lm --part norm``, ``lm_norm``): its numbers, its section of the study's
+section.md and two figures, from the plan file and the measured runs only (``lm_report`` writes them into the study's
+report, from ``measures/``).
 
 Statistics that say what they can: each contrast is a paired difference over seeds (the same seed: the same data
 order and the same initialisation of the shared layers); the contrasts form one family (``CONTRASTS``), whose p-values
@@ -10,7 +11,6 @@ does, and otherwise "not distinguishable at +-X", X the largest bound of its sim
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
 from pathlib import Path
@@ -19,7 +19,7 @@ from difftransformer.apps import figures
 from difftransformer.apps.repro import lm, lm_norm, stats
 from difftransformer.apps.repro.lm_long_report import curve_mean, gap_curve, tokens_to_reach
 from difftransformer.apps.repro.lm_norm import LABELS, NORM_PLAN, NORM_VARIANTS, SIZE, NormScale
-from difftransformer.fsutil import read_json_object, write_text_atomic
+from difftransformer.fsutil import read_json_object
 
 MARGIN = 0.025  # nats: the equivalence margin, the paper's DIFF - Transformer gap at 1.4B (3.062 - 3.087)
 ALPHA = 0.05
@@ -40,8 +40,6 @@ COLORS = {
     "diff-matched-fixed": "tab:pink",
     "standard-head-norm-matched": "tab:cyan",
 }
-RESULTS = "norm_results.json"
-SECTION = "norm.md"
 FIGURES = ("lm_norm_tuning.png", "lm_norm_curves.png")
 
 
@@ -262,17 +260,6 @@ def _plot_curves(result: dict, path: Path) -> None:
         ax1.set_ylim(min(gaps) - 0.01, max(gaps) + 0.01)
     ax1.set(xlabel="training tokens", ylabel="minus standard (nats)", title="paired difference (band: 95% interval)")
     figures.finish(fig, path, f"validation loss from a quarter of the budget on, {result['plan']['final_seeds']} seeds")
-
-
-def write(out: Path) -> dict | None:
-    """norm_results.json, norm.md and the figures in ``out``, from its plan file and measures."""
-    result = analyse(out, lm.read_measures(out))
-    if result is None:
-        return None
-    write_text_atomic(out / RESULTS, json.dumps(result, indent=1) + "\n")
-    write_text_atomic(out / SECTION, "\n".join(markdown(result)) + "\n")
-    plot(result, out)
-    return result
 
 
 assert set(COLORS) >= set(NORM_VARIANTS)

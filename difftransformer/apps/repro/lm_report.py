@@ -12,7 +12,7 @@ import statistics
 from pathlib import Path
 
 from difftransformer.apps import figures
-from difftransformer.apps.repro import lm_long_report, report
+from difftransformer.apps.repro import lm_long_report, lm_norm, lm_norm_report, report
 from difftransformer.apps.repro.lm import (
     ABLATIONS,
     STUDY,
@@ -212,15 +212,21 @@ def _token_fraction_seeds(scale: Scale, seeds: list[int], best: dict, measures: 
 # writing -----------------------------------------------------------------------------------------------------------
 def write(out: Path, scale: Scale, seeds: list[int], measures: dict[str, dict]) -> dict:
     """results.json, section.md and the figures of the study in ``out``: the short-budget parts and, when ``out``
-    holds it, the long part (``lm_long_report``)."""
+    holds them, the long part (``lm_long_report``) and the norm part (``lm_norm_report``)."""
     result = analyse(scale, seeds, measures)
     timings = out / TIMINGS
     result["minutes"] = {k: v / 60 for k, v in read_json_object(timings).items()} if timings.is_file() else {}
-    text = markdown(result)
-    long = lm_long_report.analyse(out, measures)
-    if long is not None:
-        result["long"] = long
-        text += "\n" + "\n".join(lm_long_report.markdown(long))
+    return _write_parts(out, result, markdown(result), measures)
+
+
+def _write_parts(out: Path, result: dict, text: str, measures: dict[str, dict]) -> dict:
+    """The long and norm parts that ``out`` holds added to ``result`` and ``text``; then the figures, results.json
+    and section.md."""
+    for key, part in (("long", lm_long_report), ("norm", lm_norm_report)):
+        numbers = part.analyse(out, measures)
+        if numbers is not None:
+            result[key] = numbers
+            text += ("\n" if text else "") + "\n".join(part.markdown(numbers))
     draw(result, out)
     write_json(out / "results.json", result)
     (out / "section.md").write_text(text)
@@ -229,18 +235,12 @@ def write(out: Path, scale: Scale, seeds: list[int], measures: dict[str, dict]) 
 
 def write_study(out: Path) -> dict:
     """The report of whatever study ``out`` holds: with the short-budget parts' plan (STUDY) as ``write``, else the
-    long part alone."""
+    long and norm parts it holds alone."""
     measures = read_measures(out)
     if (out / STUDY).is_file():
         record = read_json_object(out / STUDY)
         return write(out, Scale.from_record(record["scale"]), record["seeds"], measures)
-    long = lm_long_report.analyse(out, measures)
-    result = {"experiment": "lm", "long": long}
-    if long is not None:
-        lm_long_report.plot(long, out)
-        (out / "section.md").write_text("\n".join(lm_long_report.markdown(long)))
-    write_json(out / "results.json", result)
-    return result
+    return _write_parts(out, {"experiment": "lm"}, "", measures)
 
 
 def _pct(x: float | None) -> str:
@@ -454,10 +454,12 @@ def draw(result: dict, out: Path) -> None:
     if "grid" in result:
         _plot_scaling(result, out)
         _plot_positions(result, out)
-    if result["sweep"]:
+    if result.get("sweep"):
         _plot_sweep(result, out)
     if result.get("long") is not None:
         lm_long_report.plot(result["long"], out)
+    if result.get("norm") is not None:
+        lm_norm_report.plot(result["norm"], out)
 
 
 def _plot_scaling(result: dict, out: Path) -> None:
@@ -543,7 +545,7 @@ def export(study: Path, dest: Path) -> dict:
     run's measurements and learning curve (curves/NAME.jsonl), then the report written from them. A study directory
     seeded with ``dest``'s measures/ skips those runs, so a study can continue on another machine."""
     dest.mkdir(parents=True, exist_ok=True)
-    for name in (STUDY, TIMINGS, *lm_long_report.PLAN_FILES):
+    for name in (STUDY, TIMINGS, *lm_long_report.PLAN_FILES, lm_norm.NORM_PLAN):
         if (study / name).is_file():
             shutil.copy2(study / name, dest / name)
     for folder in ("measures", "curves"):

@@ -10,7 +10,7 @@ import dataclasses
 import time
 from pathlib import Path
 
-from difftransformer.apps.repro import lm, lm_long, lm_norm, lm_norm_report, lm_report
+from difftransformer.apps.repro import lm, lm_long, lm_norm, lm_report
 from difftransformer.devices import device_problem
 from difftransformer.errors import InputError
 
@@ -81,8 +81,8 @@ def run_norm(
     corpora: list[str | Path] | None = None,
     log_to: str = "jsonl",
 ) -> dict:
-    """Run (or continue) the norm part (``lm_norm``) into ``out`` and write its report (``lm_norm_report``: norm.md,
-    norm_results.json, the figures); returns the report's numbers."""
+    """Run (or continue) the norm part (``lm_norm``) into ``out`` and write the study's report, of which the norm
+    part's section and figures (``lm_norm_report``) are a part; returns the norm part's numbers."""
     plan, out, corpora = _checked(lm_norm.PLANS, scale, steps, 1, out, corpora)
     lm_norm.open_norm(out, plan)
     data = lm.ensure_data(out, plan, corpora)
@@ -90,7 +90,7 @@ def run_norm(
     plan = lm_norm.decided_plan(plan)
     _stages(out, (("norm-tune", lambda: lm_norm.tune_stage(plan, out, data, workers, log_to)),
                   ("norm-final", lambda: lm_norm.final_stage(plan, out, data, workers, log_to))))  # fmt: skip
-    return lm_norm_report.write(out)
+    return lm_report.write_study(out)["norm"]
 
 
 def _stages(out: Path, stages) -> None:

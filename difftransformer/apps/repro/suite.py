@@ -90,10 +90,6 @@ def run(
                 lm_study.run_long(target, scale, seed_list, workers, steps, corpora, log_to)
             if parts and "norm" in parts:
                 lm_study.run_norm(target, scale, workers, steps, corpora, log_to)
-                if set(parts) == {"norm"}:  # its own report only
-                    print(f"difftx repro lm: done in {time.perf_counter() - start:.0f} s -> {target / 'norm.md'}")
-                    sections.append((target / "norm.md").read_text())
-                    continue
         else:
             source = Path(models) if models and what == name else None
             result = module.run(target, scale, seed_list, workers or 2, steps, logit_bits=logit_bits, models=source)
