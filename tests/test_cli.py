@@ -1,5 +1,6 @@
 """The command line: the demo, presets, the entry point and the data and tokenizer commands."""
 
+import itertools
 import re
 import subprocess
 import sys
@@ -15,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow
-def test_demo_trains_both_and_writes_a_report(capsys, tmp_path, prepared):
+def test_demo_trains_the_three_and_writes_a_report(capsys, tmp_path, prepared):
     optional("matplotlib")
     result = run_demo(
         steps=8, eval_every=4, seq_len=64, batch_size=8, out=tmp_path / "demo", data=prepared, sample_tokens=20
@@ -24,24 +25,30 @@ def test_demo_trains_both_and_writes_a_report(capsys, tmp_path, prepared):
     assert "tiny DIFF: 1,345,984 parameters (4 differential heads); tiny standard: 1,345,408 (8 heads)" in out
     assert "difference +576 = 6 layers x 6 x head size 16 (the lambda vectors and the per-head norm)" in out
     assert "of its attention weights are negative" in out
-    assert "val loss DIFF" in out and "val loss std" in out
-    assert "about 6 minutes on 2 idle CPU cores" in out and "lower is better" in out  # how long, what it means
+    assert "loss DIFF loss DIFF matched loss standard bpb DIFF bpb DIFF matched bpb standard" in out
+    assert "about 6.5 minutes on 2 idle CPU cores" in out and "lower is better" in out  # how long, what it means
     assert re.search(r"one step of each model in turn, \d+ threads? \(OpenMP [a-z ,]+; --threads N sets the count\)",
                      out)  # fmt: skip
     assert "openmp_wait_policy" in result
     assert "the DIFF model is the paper's V1 as published" in out  # which DIFF, before its numbers
+    assert "DIFF matched is the same model (the same parameters)" in out
+    gains = result["head_norm_gains"]
+    assert gains["diff"] is None and len(gains["diff-matched"]) == 6  # V1's norm starts at 1; one gain per layer
+    assert " ".join(f"{g:.3f}" for g in gains["diff-matched"]) in out
+    assert all(0 < a < b < 1 for a, b in itertools.pairwise(gains["diff-matched"]))  # lambda_init grows by layer
+    assert result["parameters"]["diff-matched"] == result["parameters"]["diff"]
     assert "the committed study (`difftx repro lm --scale cpu" in out  # the numbers to read this one against
-    assert "demo, DIFF and standard in turn  8/8 steps" in err  # the live line counts each model's steps
+    assert "demo, the three models in turn  8/8 steps" in err  # the live line counts each model's steps
     assert "the byte tokenizer has 257, the 256 bytes and an end-of-document token" in out  # vs difftx presets
-    ratio = re.search(r"training step time, DIFF / standard: (\d+\.\d\d) \(the two models' steps timed in turn over "
+    ratio = re.search(r"training step time, DIFF / standard: (\d+\.\d\d) \(the models' steps timed in turn over "
                       r"the 6 steps without a validation", out)  # fmt: skip
     assert ratio and float(ratio.group(1)) == pytest.approx(result["step_time_ratio"], abs=0.005)
     assert result["step_time_ratio"] == pytest.approx(
         result["step_seconds"]["diff"] / result["step_seconds"]["standard"]
     )
     table = [line.split() for line in out.splitlines() if re.match(r"\s+[48] ", line)]
-    assert [row[0] for row in table] == ["4", "8"] and all(len(row) == 5 for row in table)  # no throughput columns
-    for kind in ("diff", "standard"):
+    assert [row[0] for row in table] == ["4", "8"] and all(len(row) == 7 for row in table)  # no throughput columns
+    for kind in ("diff", "diff-matched", "standard"):
         assert result["final"][kind]["val_loss"] < 5.0  # ln 257 = 5.55 at the start
         assert len(result["samples"][kind]) == 3
     assert result["map"]["row_sum_error"] < 1e-5 and result["map"]["negative_share"] > 0
@@ -229,7 +236,7 @@ def test_an_interrupted_demo_saves_both_models_and_resumes_to_the_same_result(tm
     real_step, calls = Trainer.train_step, []
 
     def train_step(self):  # SIGINT during the DIFF model's 4th step, as Ctrl-C would send it
-        calls.append(self.cfg.attention)
+        calls.append(Path(self.cfg.out).name)  # the model's folder: diff, diff-matched or standard
         if calls.count("diff") == 4 and calls[-1] == "diff":
             os.kill(os.getpid(), signal.SIGINT)
         return real_step(self)
@@ -240,8 +247,8 @@ def test_an_interrupted_demo_saves_both_models_and_resumes_to_the_same_result(tm
     monkeypatch.setattr(Trainer, "train_step", real_step)
     message = str(stop.value)
     assert f"resume it with: difftx demo --resume --out {tmp_path / 'demo'}" in message, message
-    assert "DIFF at step 4, standard at step 3" in message or "DIFF at step 4, standard at step 4" in message, message
-    for kind in ("diff", "standard"):
+    assert "DIFF at step 4, DIFF matched at step 4, standard at step 4" in message, message  # step 4: DIFF goes last
+    for kind in ("diff", "diff-matched", "standard"):
         assert any((tmp_path / "demo" / kind / "checkpoints").iterdir()), f"{kind} was not saved"
     assert not (tmp_path / "demo" / "report.md").exists()
 
@@ -251,6 +258,6 @@ def test_an_interrupted_demo_saves_both_models_and_resumes_to_the_same_result(tm
         run_demo(out=tmp_path / "demo-2", resume=True, **shape)
 
     resumed = run_demo(out=tmp_path / "demo", resume=True, **shape)
-    for kind in ("diff", "standard"):
+    for kind in ("diff", "diff-matched", "standard"):
         assert resumed["final"][kind] == straight["final"][kind], kind
     assert (tmp_path / "demo" / "report.md").is_file()

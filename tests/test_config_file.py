@@ -188,9 +188,9 @@ def test_the_example_configs_load(path, capsys):
 
 
 def test_the_demo_configs_are_the_demo_s_settings():
-    from difftransformer.apps.demo import demo_config
+    from difftransformer.apps.demo import MODELS, demo_config
 
-    for kind in ("diff", "standard"):
+    for kind in MODELS:
         fields = read_config_file(ROOT / "configs" / f"demo-{kind}.toml")
         expected = demo_config(kind, data=fields["data"], out="o")
         assert dataclasses.asdict(TrainConfig(**fields, out="o")) == dataclasses.asdict(expected)

@@ -131,6 +131,17 @@ def test_the_report_says_equivalent_different_or_neither(tmp_path):
     assert "equivalent within +-0.025" in text and "| yes |" in text
     assert all((tmp_path / f).is_file() for f in lm_norm_report.FIGURES)
 
+    from difftransformer.apps.demo import study_context  # what `make demo` prints beside its own numbers
+
+    context = "\n".join(study_context(tmp_path / "results.json"))
+    matched = rows["diff-matched", "standard"]
+    assert "width 64, 5 layers, 1 differential head, 1407 steps, 5 seeds" in context
+    assert (f"DIFF V1 with the matched gain (learning rate {PLAN.grids['diff-matched'][1]:g}): "
+            f"{matched['mean']:+.4f} nats ({matched['low']:+.4f} to {matched['high']:+.4f}): equivalent within "
+            "+-0.025") in context  # fmt: skip
+    assert "DIFF V1 as published" in context and ": higher" in context
+    assert "long budget" not in context  # the norm part, tuned fairly, answers instead of the long part
+
 
 # a whole toy norm part ---------------------------------------------------------------------------------------------
 

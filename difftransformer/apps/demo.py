@@ -1,5 +1,6 @@
-"""`make demo` / `difftx demo`: train the matched tiny DIFF and standard models side by side on the built-in
-corpus, print both validation losses as they train, sample from each, and write a report to runs/demo/."""
+"""`make demo` / `difftx demo`: train the matched tiny models side by side on the built-in corpus (DIFF V1 as the
+paper has it, the same with its per-head norm started at the matched gain, and the standard Transformer), print their
+validation losses as they train, sample from each, and write a report to runs/demo/."""
 
 from __future__ import annotations
 
@@ -26,14 +27,20 @@ from difftransformer.training.loop import TrainConfig, Trainer
 
 PROMPTS = ("Return the ", "The module ", "If the ")
 STUDY = Path(__file__).resolve().parents[2] / "experiments" / "reports" / "lm" / "results.json"
-KINDS = ("diff", "standard")
-NAMES = {"diff": "DIFF", "standard": "standard"}  # in figures
-# `time make demo` with an existing .venv and the corpus not yet prepared, idle 2-core Xeon VM, one step of each
-# model in turn (2026-12-04): 5m36s, of which 5m08s training
-EXPECTED = "about 6 minutes on 2 idle CPU cores"
-# the pace of that run's training (240 pairs of steps in 5m08s, validations included), for the live line to name a
-# pace far below it (Progress's `expected`); only at the demo's default shape
-REFERENCE_PACE = (240 / 308, "2 idle cores' pace")
+# the demo's models: name -> (attention, ModelConfig overrides); the name is its run's folder in the demo's directory
+MODELS = {
+    "diff": ("diff", {}),  # V1 as the paper has it: the per-head norm starts at weight 1
+    "diff-matched": ("diff", {"head_norm_gain": "matched"}),  # the norm started at the matched gain, layer by layer
+    "standard": ("standard", {}),
+}
+KINDS = tuple(MODELS)
+NAMES = {"diff": "DIFF", "diff-matched": "DIFF matched", "standard": "standard"}  # in the text and the figures
+# `time difftx demo` (what `make demo` runs once .venv exists) with the corpus not yet prepared, idle 2-core Xeon VM,
+# one step of each of the three models in turn (2026-12-05): 6m24s, of which 6m11s training
+EXPECTED = "about 6.5 minutes on 2 idle CPU cores"
+# the pace of that run's training (240 rounds of three steps in 6m11s, validations included), for the live line to
+# name a pace far below it (Progress's `expected`); only at the demo's default shape
+REFERENCE_PACE = (240 / 371, "2 idle cores' pace")
 
 
 def demo_data(path: Path) -> Path:
@@ -100,12 +107,14 @@ def demo_config(
     seq_len: int = 256,
     batch_size: int = 16,
 ) -> TrainConfig:
-    """The demo's training run of one model (configs/demo-diff.toml and demo-standard.toml hold the same)."""
+    """The demo's training run of the model ``kind`` (one of MODELS; configs/demo-KIND.toml holds the same)."""
+    attention, overrides = MODELS[kind]
     return TrainConfig(
         data=str(data),
         out=str(out),
         preset="tiny",
-        attention=kind,
+        attention=attention,
+        model=dict(overrides),
         seq_len=seq_len,
         batch_size=batch_size,
         max_steps=steps,
@@ -129,7 +138,7 @@ def run_demo(
     sample_tokens: int = 120,
     resume: bool = False,
 ) -> dict:
-    """The demo; ``resume``: continue the interrupted demo in ``out`` (both models from their newest checkpoints)."""
+    """The demo; ``resume``: continue the interrupted demo in ``out`` (each model from its newest checkpoint)."""
     run_dir = _resumed_dir(Path(out)) if resume else free_run_dir(Path(out))
     data_dir = demo_data(Path(data))
     if run_dir != Path(out):
@@ -139,49 +148,19 @@ def run_demo(
         print(f"note: {out} holds {earlier}, kept as it is; this one writes {run_dir}", file=sys.stderr)
     trainers = {}
     default_shape = (seq_len, batch_size, eval_every) == (256, 16, 40)
-    progress = Progress(steps, "demo, DIFF and standard in turn", expected=REFERENCE_PACE if default_shape else None)
+    progress = Progress(steps, "demo, the three models in turn", expected=REFERENCE_PACE if default_shape else None)
     losses: dict[str, float] = {}
 
-    def shown(kind: str, row: dict) -> None:  # the pair's step and both latest losses on one live line
+    def shown(kind: str, row: dict) -> None:  # the round's step and every model's latest loss on one live line
         losses[kind] = row["loss"]
-        note = "training loss " + ", ".join(f"{k} {v:.3f}" for k, v in losses.items())
+        note = "training loss " + ", ".join(f"{NAMES[k]} {v:.3f}" for k, v in losses.items())
         progress.update(min(t.step_idx for t in trainers.values()), note=note)
 
     for kind in KINDS:
         cfg = demo_config(kind, data_dir, run_dir / kind, steps, eval_every, seq_len, batch_size)
         again = resume and (run_dir / kind).is_dir()  # a model the interruption reached before it started starts new
         trainers[kind] = Trainer(cfg, resume=again, quiet=True, on_step=lambda row, kind=kind: shown(kind, row))
-    diff, std = (trainers[k].model for k in KINDS)
-    n_diff, n_std = diff.num_parameters(), std.num_parameters()
-    vocab, width = diff.config.vocab_size, diff.config.d_model
-    print(
-        f"tiny DIFF: {n_diff:,} parameters ({diff.config.attention_heads} differential heads); tiny standard: "
-        f"{n_std:,} ({std.config.n_heads} heads); difference {n_diff - n_std:+,} = {diff.config.n_layers} layers x 6 x "
-        f"head size {diff.config.attention_head_dim} (the lambda vectors and the per-head norm)"
-    )
-    print(
-        f"(`difftx presets` counts {vocab - 1} tokens; the byte tokenizer has {vocab}, the 256 bytes and an "
-        f"end-of-document token, so both models have 2 x {width} = {2 * width} parameters more here: one "
-        "embedding row and one output row)"
-    )
-    print("lambda_init per layer:", " ".join(f"{b.attn.lambda_init:.3f}" for b in diff.layers))
-    print(
-        "the DIFF model is the paper's V1 as published (each head's output RMS-normalised with gain 1, then scaled by "
-        "1 - lambda_init); at small sizes the project's study found it behind the standard model (the numbers are "
-        "printed at the end). No other setting is recommended for small models yet: the study's variant with the "
-        "per-head norm started at the matched gain (ModelConfig.head_norm_gain) was not distinguishable from the "
-        "standard model in one regime, with tuning that disfavoured the standard model; it is being re-tested"
-    )
-    print(
-        f"training each on {trainers['diff'].train_data.n_tokens:,} tokens of CPython documentation: {steps} steps "
-        f"each of {batch_size} x {seq_len} tokens, one step of each model in turn, "
-        f"{describe(torch.get_num_threads())}; {EXPECTED} (the live line below estimates this machine's)"
-    )
-    print(
-        f"the table: validation loss in nats per token (a token is a byte or the end of a document; lower is "
-        f"better; a model that knew nothing would score ln {vocab} = {math.log(vocab):.2f}) and in bits per byte\n"
-    )
-    print(f"{'step':>6} {'val loss DIFF':>14} {'val loss std':>13} {'bpb DIFF':>9} {'bpb std':>8}")
+    _introduce(trainers, steps, seq_len, batch_size)
     rows = {k: trainers[k].metric_rows() for k in KINDS}  # a resumed demo's rows so far; else none
     first = min(t.step_idx for t in trainers.values()) + 1
     for step in range(eval_every, first, eval_every):  # the table's rows before the interruption
@@ -191,37 +170,40 @@ def run_demo(
     try:
         for step in range(first, steps + 1):
             validates = step % eval_every == 0 or step == steps
-            for kind in KINDS if step % 2 else KINDS[::-1]:  # who goes first alternates
+            shift = step % len(KINDS)
+            for kind in KINDS[shift:] + KINDS[:shift]:  # who goes first rotates
                 start = time.perf_counter()
                 rows[kind].extend(trainers[kind].fit(until=step))
-                if not validates:  # steps timed without a validation or a checkpoint: the same work for both
+                if not validates:  # steps timed without a validation or a checkpoint: the same work for each
                     seconds[kind] += time.perf_counter() - start
             timed += not validates
             if validates:
                 _table_row(progress, step, rows)
-    except (Interrupted, KeyboardInterrupt) as err:  # both models saved where they are, then the way back
+    except (Interrupted, KeyboardInterrupt) as err:  # every model saved where it is, then the way back
         progress.close()
         raise _stopped(trainers, run_dir, err) from None
     progress.close()
     for trainer in trainers.values():
-        trainer.close()  # both runs are complete: release their directories
+        trainer.close()  # every run is complete: release their directories
     ratio = seconds["diff"] / seconds["standard"] if timed else math.nan
     if timed:
         print(
-            f"\ntraining step time, DIFF / standard: {ratio:.2f} (the two models' steps timed in turn over the {timed} "
-            "steps without a validation, so a load on the machine slows both alike; a ratio, not a speed: "
+            f"\ntraining step time, DIFF / standard: {ratio:.2f} (the models' steps timed in turn over the {timed} "
+            "steps without a validation, so a load on the machine slows each alike; a ratio, not a speed: "
             "`difftx bench` measures speeds)"
         )
 
     tok = trainers["diff"].tokenizer
     samples = {kind: [] for kind in KINDS}
+    width = max(len(NAMES[k]) for k in KINDS)
     print()
     for kind in KINDS:
         for i, prompt in enumerate(PROMPTS):
             ids = generate(trainers[kind].model, tok.encode(prompt), sample_tokens, temperature=0.8, top_k=40, seed=i)
             text = (prompt + tok.decode(ids)).split("\n")[0]
             samples[kind].append(text)
-            print(f"{kind:>8} | {text}")
+            print(f"{NAMES[kind]:>{width}} | {text}")
+    diff = trainers["diff"].model
     probe = trainers["diff"].val_windows[:1, :seq_len]
     props = map_properties(diff, probe)
     print(
@@ -235,7 +217,8 @@ def run_demo(
         "batch_size": batch_size,
         "threads": torch.get_num_threads(),
         "openmp_wait_policy": os.environ.get(WAIT_POLICY),
-        "parameters": {"diff": n_diff, "standard": n_std},
+        "parameters": {k: trainers[k].model.num_parameters() for k in KINDS},
+        "head_norm_gains": {k: trainers[k].model.config.head_norm_gains() for k in ("diff", "diff-matched")},
         "step_seconds": {k: seconds[k] / timed if timed else None for k in KINDS},  # each model's, timed in turn
         "timed_steps": timed,
         "step_time_ratio": ratio if timed else None,
@@ -245,11 +228,14 @@ def run_demo(
         "samples": samples,
     }
     write_report(run_dir, rows, summary)
-    d_loss, s_loss = (summary["final"][k]["val_loss"] for k in KINDS)
+    final = {k: summary["final"][k]["val_loss"] for k in KINDS}
+    base = final["standard"]
+    gaps = ", ".join(f"{NAMES[k]} - standard {final[k] - base:+.4f} ({(final[k] - base) / base:+.1%})"
+                     for k in KINDS if k != "standard")  # fmt: skip
     print(
-        f"\nthis demo: DIFF {d_loss:.4f} vs standard {s_loss:.4f} nats per token, DIFF - standard "
-        f"{d_loss - s_loss:+.4f} ({(d_loss - s_loss) / s_loss:+.1%}): one seed, one small size (4 differential "
-        f"heads), {steps} steps each"
+        "\nthis demo, validation loss in nats per token: "
+        + ", ".join(f"{NAMES[k]} {final[k]:.4f}" for k in KINDS)
+        + f"; {gaps}: one seed, one small size (4 differential heads), {steps} steps each"
     )
     for line in study_context():
         print(line)
@@ -257,9 +243,49 @@ def run_demo(
     return summary
 
 
+def _introduce(trainers: dict[str, Trainer], steps: int, seq_len: int, batch_size: int) -> None:
+    """What the models are, what the demo does and how to read its table."""
+    diff, std = trainers["diff"].model, trainers["standard"].model
+    n_diff, n_std = diff.num_parameters(), std.num_parameters()
+    vocab, width = diff.config.vocab_size, diff.config.d_model
+    print(
+        f"tiny DIFF: {n_diff:,} parameters ({diff.config.attention_heads} differential heads); tiny standard: "
+        f"{n_std:,} ({std.config.n_heads} heads); difference {n_diff - n_std:+,} = {diff.config.n_layers} layers x 6 x "
+        f"head size {diff.config.attention_head_dim} (the lambda vectors and the per-head norm)"
+    )
+    print(
+        f"(`difftx presets` counts {vocab - 1} tokens; the byte tokenizer has {vocab}, the 256 bytes and an "
+        f"end-of-document token, so each model has 2 x {width} = {2 * width} parameters more here: one "
+        "embedding row and one output row)"
+    )
+    print("lambda_init per layer:", " ".join(f"{b.attn.lambda_init:.3f}" for b in diff.layers))
+    gains = trainers["diff-matched"].model.config.head_norm_gains()
+    print(
+        "the DIFF model is the paper's V1 as published: each head's output RMS-normalised with a learned weight that "
+        "starts at 1, then scaled by 1 - lambda_init. DIFF matched is the same model (the same parameters) with "
+        "that weight started, layer by layer, at the gain that gives its attention block the standard model's "
+        'output RMS at initialisation (ModelConfig(head_norm_gain="matched"); docs/guide/modules.md): '
+        + " ".join(f"{g:.3f}" for g in gains)
+        + ". What the project's studies found at small sizes is printed at the end"
+    )
+    print(
+        f"training each on {trainers['diff'].train_data.n_tokens:,} tokens of CPython documentation: {steps} steps "
+        f"each of {batch_size} x {seq_len} tokens, one step of each model in turn, "
+        f"{describe(torch.get_num_threads())}; {EXPECTED} (the live line below estimates this machine's)"
+    )
+    print(
+        f"the table: validation loss in nats per token (a token is a byte or the end of a document; lower is "
+        f"better; a model that knew nothing would score ln {vocab} = {math.log(vocab):.2f}) and in bits per byte\n"
+    )
+    cells = [f"loss {NAMES[k]}" for k in KINDS] + [f"bpb {NAMES[k]}" for k in KINDS]
+    print(f"{'step':>6} " + " ".join(f"{c:>{len(c)}}" for c in cells))
+
+
 def _table_row(progress: Progress, step: int, rows: dict[str, list[dict]]) -> None:
-    d, s = (next(r for r in reversed(rows[k]) if r["step"] == step and "val_loss" in r) for k in KINDS)
-    progress.write(f"{step:>6} {d['val_loss']:>14.4f} {s['val_loss']:>13.4f} {d['val_bpb']:>9.3f} {s['val_bpb']:>8.3f}")
+    last = {k: next(r for r in reversed(rows[k]) if r["step"] == step and "val_loss" in r) for k in KINDS}
+    losses = [f"{last[k]['val_loss']:>{len('loss ' + NAMES[k])}.4f}" for k in KINDS]
+    bpb = [f"{last[k]['val_bpb']:>{len('bpb ' + NAMES[k])}.3f}" for k in KINDS]
+    progress.write(f"{step:>6} " + " ".join(losses + bpb))
 
 
 def _stopped(trainers: dict[str, Trainer], run_dir: Path, err: BaseException) -> Interrupted:
@@ -287,7 +313,8 @@ def study_context(path: Path = STUDY) -> list[str]:
     name = result["scale"]["name"] if "scale" in result else "cpu"
     lines = [f"the committed study (`difftx repro lm --scale {name}`, {where}; BPE text, each architecture at "
              "its own best learning rate, matched data and initialisation):"]  # fmt: skip
-    lines += _long_lines(result.get("long"))
+    norm = _norm_lines(result.get("norm"))
+    lines += norm or _long_lines(result.get("long"))  # the norm part answers the long part's question, tuned fairly
     if "scale" in result:
         lines += _short_lines(result)
     if len(lines) == 1:
@@ -296,6 +323,30 @@ def study_context(path: Path = STUDY) -> list[str]:
         "  the paper's advantage was measured at 0.8B-13B parameters and billions of tokens; at this size the study "
         "above is the number to compare with, not the paper's"
     )
+    return lines
+
+
+def _norm_lines(norm: dict | None) -> list[str]:
+    """The norm part's answer when it is complete: DIFF V1 as published and with the matched gain, each against the
+    standard model with its simultaneous interval and what the contrast may say (equivalent, higher, lower or not
+    distinguishable)."""
+    rows = {(r["first"], r["second"]): r for r in (norm or {}).get("contrasts", [])}
+    shown = (("diff", "DIFF V1 as published"), ("diff-matched", "DIFF V1 with the matched gain"))
+    if not all((v, "standard") in rows for v, _ in shown):
+        return []
+    plan = norm["plan"]
+    d, layers, heads = plan["size"]
+    lines = [
+        f"  per-head norm part (`--part norm`): width {d}, {layers} layers, {heads // 2} differential "
+        f"head{'s' if heads // 2 > 1 else ''}, "
+        f"{plan['steps']} steps, {plan['final_seeds']} seeds, every model tuned at that whole schedule; final "
+        f"validation loss against the standard model (intervals simultaneous 95% over the part's "
+        f"{len(rows)} contrasts):"
+    ]
+    for v, label in shown:
+        r = rows[v, "standard"]
+        lines.append(f"    {label} (learning rate {norm['finals'][v]['lr']:g}): {r['mean']:+.4f} nats "
+                     f"({r['low']:+.4f} to {r['high']:+.4f}): {r['verdict']}")  # fmt: skip
     return lines
 
 
@@ -393,7 +444,7 @@ def write_report(run_dir: Path, rows: dict[str, list[dict]], summary: dict) -> N
         )
     ax.set(xlabel="step", ylabel="loss (nats per token)")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    finish(fig, run_dir / "loss_curves.png", "tiny DIFF vs standard on CPython's documentation", dpi=120)
+    finish(fig, run_dir / "loss_curves.png", "the tiny models on CPython's documentation", dpi=120)
 
     fig, ax = plt.subplots(figsize=(7, 4.4))
     lam = [r["lambda"] for r in rows["diff"]]
@@ -402,28 +453,32 @@ def write_report(run_dir: Path, rows: dict[str, list[dict]], summary: dict) -> N
         ax.plot([r["step"] for r in rows["diff"]], [v[layer] for v in lam], ".-", color=colour, label=f"layer {layer}")
     ax.set(xlabel="step", ylabel="lambda")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    finish(fig, run_dir / "lambda.png", "DIFF: lambda of each layer during training", dpi=120)
+    finish(fig, run_dir / "lambda.png", "DIFF (V1 as published): lambda of each layer during training", dpi=120)
 
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     f, p = summary["final"], summary["parameters"]
+    gains = summary["head_norm_gains"]["diff-matched"]
     lines = [
-        "# Demo: tiny DIFF vs standard Transformer",
+        "# Demo: tiny DIFF (V1 as published and with the matched gain) and standard Transformer",
         "",
-        f"Both trained for {summary['steps']} steps each of {summary['batch_size']} x {summary['seq_len']} byte tokens "
-        f"on CPython's documentation, one step of each in turn, same data order and seed, {summary['threads']} "
-        "thread(s).",
+        f"Each trained for {summary['steps']} steps of {summary['batch_size']} x {summary['seq_len']} byte tokens on "
+        f"CPython's documentation, one step of each in turn, same data order and seed, {summary['threads']} "
+        "thread(s). DIFF is the paper's V1 as published; DIFF matched is the same model with each layer's per-head "
+        'norm started at the matched gain (ModelConfig(head_norm_gain="matched"): '
+        + ", ".join(f"{g:.3f}" for g in gains)
+        + ").",
         "",
-        "| | DIFF | standard |",
-        "|---|---|---|",
-        f"| parameters | {p['diff']:,} | {p['standard']:,} |",
-        f"| final validation loss (nats per token) | {f['diff']['val_loss']:.4f} | {f['standard']['val_loss']:.4f} |",
-        f"| final validation bits per byte | {f['diff']['val_bpb']:.4f} | {f['standard']['val_bpb']:.4f} |",
+        "| | " + " | ".join(NAMES[k] for k in KINDS) + " |",
+        "|---" * (len(KINDS) + 1) + "|",
+        "| parameters | " + " | ".join(f"{p[k]:,}" for k in KINDS) + " |",
+        "| final validation loss (nats per token) | " + " | ".join(f"{f[k]['val_loss']:.4f}" for k in KINDS) + " |",
+        "| final validation bits per byte | " + " | ".join(f"{f[k]['val_bpb']:.4f}" for k in KINDS) + " |",
         "",
         *(
             [
-                f"Training step time, DIFF / standard: {summary['step_time_ratio']:.2f}, the two models' steps timed "
+                f"Training step time, DIFF / standard: {summary['step_time_ratio']:.2f}, the models' steps timed "
                 f"in turn over the {summary['timed_steps']} steps without a validation (a load on the machine slows "
-                "both alike).",
+                "each alike).",
                 "",
             ]
             if summary["timed_steps"]
@@ -442,5 +497,5 @@ def write_report(run_dir: Path, rows: dict[str, list[dict]], summary: dict) -> N
         "",
     ]
     for kind in KINDS:
-        lines += [f"**{kind}**", ""] + [f"    {s}" for s in summary["samples"][kind]] + [""]
+        lines += [f"**{NAMES[kind]}**", ""] + [f"    {s}" for s in summary["samples"][kind]] + [""]
     (run_dir / "report.md").write_text("\n".join(lines))

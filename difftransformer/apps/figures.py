@@ -22,6 +22,7 @@ COLORS = {
     "diff_v2-matched": "tab:green",
     "diff-no-head-norm": "tab:orange",
     "diff-norm-gain": "tab:purple",
+    "diff-matched": "tab:purple",  # the same idea as diff-norm-gain: the per-head norm started at the matched gain
     "standard-head-norm": "tab:cyan",
 }
 # Lines that stand for heads or layers of one model, not for an architecture: colours none of COLORS uses

@@ -42,14 +42,14 @@ def demo_command(sub) -> None:
         sub,
         "demo",
         _demo,
-        "train the tiny DIFF / standard pair side by side and write a report",
+        "train tiny DIFF (V1 as published and with the matched gain) and standard models side by side; write a report",
         "difftx demo --steps 240 --out runs/demo",
     )
     demo.add_argument("--steps", type=at_least(1), default=240, help="training steps of each model")
     demo.add_argument("--out", default="runs/demo", help="report directory (a free name is chosen next to it)")
     demo.add_argument("--data", default="data/pydocs", help="where the built-in corpus is prepared (reused)")
     demo.add_argument(
-        "--resume", action="store_true", help="continue the interrupted demo in --out (Ctrl-C saves both models)"
+        "--resume", action="store_true", help="continue the interrupted demo in --out (Ctrl-C saves every model)"
     )
     threads_flag(demo)
 

@@ -36,7 +36,6 @@ CONTRASTS = (
 )
 COLORS = {
     **figures.COLORS,
-    "diff-matched": "tab:purple",
     "diff-matched-fixed": "tab:pink",
     "standard-head-norm-matched": "tab:cyan",
 }
