@@ -73,6 +73,24 @@ def test_presets_command(capsys):
     assert "the byte tokenizer's 257 tokens" in out  # why the demo's tiny model counts 2 x 128 more
 
 
+def test_presets_gains_are_the_rule_at_the_first_and_last_layer(capsys, monkeypatch):
+    """--gains adds each preset's matched gain (first / last layer); two presets here, as the paper's sizes take
+    about a minute."""
+    from difftransformer.core import config
+    from difftransformer.core.head_norm_gain import matched_gains
+
+    monkeypatch.setattr(config, "PRESETS", {k: config.PRESETS[k] for k in ("tiny", "small")})
+    assert main(["presets", "--gains"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].endswith("standard params matched gain, first / last layer")
+    for line, name in zip(lines[1:3], ("tiny", "small"), strict=True):
+        gains = matched_gains(config.ModelConfig.preset(name))
+        assert line.split()[0] == name and line.endswith(f"{gains[0]:.3f} / {gains[-1]:.3f}"), line
+    assert "the paper's V1 starts it at 1 in every layer" in lines[3]
+    assert main(["presets"]) == 0
+    assert "matched" not in capsys.readouterr().out  # only when asked: the paper's sizes take a minute
+
+
 @pytest.mark.slow
 def test_python_dash_m_entry_point():
     proc = subprocess.run([sys.executable, "-m", "difftransformer", "--help"], capture_output=True, text=True)

@@ -16,19 +16,33 @@ def _demo(args: argparse.Namespace) -> int:
 
 def _presets(args: argparse.Namespace) -> int:
     from difftransformer.core.config import PRESETS, ModelConfig
+    from difftransformer.core.head_norm_gain import matched_gains
     from difftransformer.core.model import count_parameters
 
+    gains = " matched gain, first / last layer" if args.gains else ""
     print(
         f"{'preset':>8} {'d_model':>7} {'layers':>6} {'heads':>5} {'DIFF heads':>10} {'vocabulary':>10} "
-        f"{'DIFF params':>15} {'standard params':>15}"
+        f"{'DIFF params':>15} {'standard params':>15}{gains}",
+        flush=True,
     )
     for name in PRESETS:
         cfg = ModelConfig.preset(name)
         n_diff = count_parameters(cfg)
         n_std = count_parameters(ModelConfig.preset(name, attention="standard"))
+        if args.gains:
+            g = matched_gains(cfg)
+            gains = f" {g[0]:>17.3f} / {g[-1]:.3f}"
         print(
             f"{name:>8} {cfg.d_model:>7} {cfg.n_layers:>6} {cfg.n_heads:>5} {cfg.attention_heads:>10} "
-            f"{cfg.vocab_size:>10,} {n_diff:>15,} {n_std:>15,}"
+            f"{cfg.vocab_size:>10,} {n_diff:>15,} {n_std:>15,}{gains}",
+            flush=True,
+        )
+    if args.gains:
+        print(
+            'The matched gain (ModelConfig(head_norm_gain="matched"), docs/guide/modules.md): the per-head norm\'s '
+            "initial weight at which DIFF's attention block starts at the standard model's output RMS, per layer, "
+            "for text whose tokens follow Zipf's law over the vocabulary; the paper's V1 starts it at 1 in every "
+            "layer"
         )
     print(
         "A run takes its vocabulary from its data's tokenizer: the byte tokenizer's 257 tokens (256 bytes and an "
@@ -60,5 +74,9 @@ def presets_command(sub) -> None:
         "presets",
         _presets,
         "list the model presets with DIFF and standard parameter counts",
-        "difftx presets",
+        "difftx presets\ndifftx presets --gains",
+    ).add_argument(
+        "--gains",
+        action="store_true",
+        help="also each preset's matched per-head norm gain, first and last layer (about a minute for all of them)",
     )
