@@ -13,6 +13,7 @@ import torch
 
 from difftransformer.core.config import PRESETS, ModelConfig
 from difftransformer.core.head_norm_gain import (
+    _rho,
     _square_sums,
     averaged_value_rms,
     matched_gains,
@@ -266,3 +267,21 @@ def test_the_softmax_sum_of_squares_against_sampling_and_the_two_key_formula(log
         sums = (torch.softmax(logits, -1) ** 2).sum(-1)
         error = 3 * sums.std().item() / math.sqrt(len(sums))
         assert pi[n - 1].item() == pytest.approx(sums.mean().item(), abs=error), n
+
+
+def test_the_rule_computes_on_the_cpu_under_any_default_device():
+    """count_parameters builds the model under torch.device("meta"): the rule's first computation there (nothing
+    cached yet) still runs on the CPU, where tensors have values, and gives the gains computed outside it."""
+    config = ModelConfig(**BASE, head_norm_gain="matched")
+
+    def fresh():
+        _rho.cache_clear()
+        _square_sums.cache_clear()
+
+    fresh()
+    with torch.device("meta"):
+        inside = config.head_norm_gains()
+    fresh()
+    assert inside == config.head_norm_gains()
+    fresh()
+    assert count_parameters(config) == count_parameters(dataclasses.replace(config, head_norm_gain=None))

@@ -131,17 +131,17 @@ def _square_sums(n_max: int, logit_var: float) -> torch.Tensor:
     e^v / (n + e^v - 1) is right only when e^v << n and overstates pi_n up to 3 times at the 13.1b preset's
     v = 4.2 (n 64)."""
     s = math.sqrt(logit_var)
-    x = torch.linspace(-12.0, 12.0, NORMAL_POINTS, dtype=torch.float64)
+    x = torch.linspace(-12.0, 12.0, NORMAL_POINTS, dtype=torch.float64, device="cpu")
     density = torch.exp(-x * x / 2)
     density /= density.sum()
     big_x = torch.exp(s * x)
-    u = torch.linspace(-12.0 * s - 25.0, 12.0 * s + 25.0, LOG_T_POINTS, dtype=torch.float64)  # log t
+    u = torch.linspace(-12.0 * s - 25.0, 12.0 * s + 25.0, LOG_T_POINTS, dtype=torch.float64, device="cpu")  # log t
     t = torch.exp(u)
     decay = torch.exp(-t[:, None] * big_x[None, :])
     laplace = (decay * density).sum(1).clamp_min(1e-300).log()  # log E[e^{-tX}]
     weight = t * t * (decay * (big_x * big_x * density)).sum(1)  # t^2 E[X^2 e^{-tX}] (dt = t du)
-    n = torch.arange(1, n_max + 1, dtype=torch.float64)
-    out = torch.empty(n_max, dtype=torch.float64)
+    n = torch.arange(1, n_max + 1, dtype=torch.float64, device="cpu")
+    out = torch.empty(n_max, dtype=torch.float64, device="cpu")
     for start in range(0, n_max, 512):  # 512 n at a time: at most 512 x LOG_T_POINTS values at once
         m = n[start : start + 512]
         out[start : start + 512] = m * torch.trapezoid(weight * torch.exp((m - 1)[:, None] * laplace), u, dim=1)
