@@ -3,6 +3,8 @@
 import dataclasses
 import json
 import math
+import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -283,8 +285,6 @@ def test_a_toy_study_runs_resumes_and_reports(toy_study):
     assert "no committed" in study_context(toy_study / "missing.json")[0]
 
     # interrupted: one run lost its measurement, another stopped at its first checkpoint (step 2 of 4)
-    import shutil
-
     from difftransformer.training.loop import Trainer
 
     victim = lm.Run("B", 4, "diff", best["diff"], 1)
@@ -413,7 +413,6 @@ def test_ctrl_c_stops_a_parallel_study_at_checkpoints(tmp_path):
     import subprocess
     import sys
     import time
-    from pathlib import Path
 
     script = tmp_path / "study.py"
     script.write_text(STUDY_SCRIPT.format(tests=str(Path(__file__).parent)))
@@ -503,3 +502,18 @@ def test_log_to_is_checked_before_a_study_starts(tmp_path):
     with pytest.raises(InputError, match="log_to` applies to the studies that train: lm, needle, icl, not quant"):
         suite.run("quant", tmp_path / "quant", log_to="tensorboard")
     assert not any(tmp_path.iterdir())
+
+
+def test_the_committed_report_is_rebuilt_from_its_measures(tmp_path):
+    """experiments/reports/lm: results.json, section.md and every figure, written again from the committed plans and
+    measures alone (what `lm_report.export` keeps), are the committed files to the byte; a report edited by hand or
+    left behind its code fails here."""
+    optional("matplotlib")
+    committed = Path(__file__).resolve().parents[1] / "experiments" / "reports" / "lm"
+    copy = tmp_path / "lm"
+    shutil.copytree(committed, copy, ignore=shutil.ignore_patterns("*.png", "results.json", "section.md"))
+    lm_report.write_study(copy)
+    written = sorted(p.name for p in copy.iterdir() if p.is_file())
+    assert written == sorted(p.name for p in committed.iterdir() if p.is_file())
+    for name in written:
+        assert (copy / name).read_bytes() == (committed / name).read_bytes(), f"{name} differs: run redraw, commit"
