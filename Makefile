@@ -55,9 +55,10 @@ demo: $(DEMO_STAMP)
 	$(BIN)/difftx demo
 	@$(HINT)
 
-# DIFFTX_REQUIRE_OPTIONAL=1: the pinned environment has every optional dependency, so none of their tests may skip
+# DIFFTX_REQUIRE_OPTIONAL=1: the pinned environment has every optional dependency, so none of their tests may skip;
+# --durations: the 15 slowest tests, so that every run (CI's included) says where the suite's time goes
 test: $(STAMP) lint
-	DIFFTX_REQUIRE_OPTIONAL=1 $(BIN)/python -m pytest -q
+	DIFFTX_REQUIRE_OPTIONAL=1 $(BIN)/python -m pytest -q --durations=15
 	@$(HINT)
 
 # the fast tier (about 95 s on two idle cores, 2026-12-05): every test not marked slow
