@@ -104,7 +104,7 @@ def test_paired_test_against_scipy():
 def test_the_report_says_equivalent_different_or_neither(tmp_path):
     """Five seeds each: one variant within a hair of the baseline (equivalent at 0.025), one 0.3 above (higher),
     one noisy (neither: 'not distinguishable at' its simultaneous interval's largest bound)."""
-    optional("matplotlib")  # write draws the figures too
+    optional("matplotlib")  # write_study draws the figures too
     base = [3.70, 3.68, 3.71, 3.69, 3.72]
     finals = {v: [x + 0.3 for x in base] for v in lm_norm.NORM_VARIANTS}
     finals["standard"] = base

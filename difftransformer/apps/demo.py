@@ -277,15 +277,19 @@ def _introduce(trainers: dict[str, Trainer], steps: int, seq_len: int, batch_siz
         f"the table: validation loss in nats per token (a token is a byte or the end of a document; lower is "
         f"better; a model that knew nothing would score ln {vocab} = {math.log(vocab):.2f}) and in bits per byte\n"
     )
-    cells = [f"loss {NAMES[k]}" for k in KINDS] + [f"bpb {NAMES[k]}" for k in KINDS]
-    print(f"{'step':>6} " + " ".join(f"{c:>{len(c)}}" for c in cells))
+    print(f"{'step':>6} " + " ".join(label for label, _, _, _ in _table_columns()))
+
+
+def _table_columns() -> list[tuple[str, str, str, str]]:
+    """The table's columns after the step: (heading, model, metric, format), each value as wide as its heading."""
+    return [(f"{short} {NAMES[k]}", k, metric, fmt) for short, metric, fmt in
+            (("loss", "val_loss", ".4f"), ("bpb", "val_bpb", ".3f")) for k in KINDS]  # fmt: skip
 
 
 def _table_row(progress: Progress, step: int, rows: dict[str, list[dict]]) -> None:
     last = {k: next(r for r in reversed(rows[k]) if r["step"] == step and "val_loss" in r) for k in KINDS}
-    losses = [f"{last[k]['val_loss']:>{len('loss ' + NAMES[k])}.4f}" for k in KINDS]
-    bpb = [f"{last[k]['val_bpb']:>{len('bpb ' + NAMES[k])}.3f}" for k in KINDS]
-    progress.write(f"{step:>6} " + " ".join(losses + bpb))
+    cells = [f"{last[k][metric]:>{len(label)}{fmt}}" for label, k, metric, fmt in _table_columns()]
+    progress.write(f"{step:>6} " + " ".join(cells))
 
 
 def _stopped(trainers: dict[str, Trainer], run_dir: Path, err: BaseException) -> Interrupted:
