@@ -473,7 +473,7 @@ def test_the_demo_names_the_long_parts_best_variant_with_its_interval(tmp_path):
     regime = {"tokens_per_parameter": {"standard": 21.6}, "parameters": {"standard": {"non_embedding": 266_944}}}
     path = tmp_path / "results.json"  # a study of the long part alone: no short-budget scale
     path.write_text(json.dumps({"long": {"seeds": [0, 1], "regime": regime, "variants": variants}}))
-    lines = study_context(path)
+    lines = study_context(path, norm_path=None)
     text = "\n".join(lines)
     assert "267k non-embedding parameters, 21.6 tokens per parameter, 2 seeds" in text
     assert "lowest mean: DIFF V1 without the per-head norm: -0.3000 nats (95% interval -0.3500 to -0.2500)\n" in text
@@ -482,10 +482,10 @@ def test_the_demo_names_the_long_parts_best_variant_with_its_interval(tmp_path):
     assert "0.8B-13B parameters" in lines[-1]
     variants["diff-no-head-norm"]["minus_standard"] = {"mean": -0.03, "low": -0.08, "high": 0.02}
     path.write_text(json.dumps({"long": {"seeds": [0, 1], "regime": regime, "variants": variants}}))
-    assert "(95% interval -0.0800 to +0.0200; within the seed noise)" in "\n".join(study_context(path))
+    assert "(95% interval -0.0800 to +0.0200; within the seed noise)" in "\n".join(study_context(path, norm_path=None))
 
     path.write_text(json.dumps({"long": {"seeds": [0], "incomplete": ["long", "timing"]}}))
-    assert "not complete yet (long, timing to run)" in "\n".join(study_context(path))
+    assert "not complete yet (long, timing to run)" in "\n".join(study_context(path, norm_path=None))
 
 
 def test_the_time_fraction_uses_the_trained_step_and_names_a_subnormal_slowdown():

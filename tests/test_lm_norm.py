@@ -5,6 +5,8 @@ TOST at the margin), checked against values computed here by hand or by scipy.""
 import dataclasses
 import json
 import math
+import os
+import random
 import statistics
 
 import pytest
@@ -15,6 +17,7 @@ from test_lm_long import TOY as LONG_TOY
 from difftransformer.apps.repro import lm, lm_long, lm_norm, lm_norm_report, lm_report, stats
 from difftransformer.core.head_norm_gain import matched_gains
 from difftransformer.core.model import TransformerLM, count_parameters
+from difftransformer.errors import InputError
 
 PLAN = lm_norm.decided_plan(lm_norm.PLANS["cpu"])
 
@@ -101,9 +104,24 @@ def test_paired_test_against_scipy():
     assert stats.holm([0.01, 0.04, 0.03, 0.2]) == pytest.approx([0.04, 0.09, 0.09, 0.2])
 
 
+def test_holm_levels_reject_exactly_where_holm_does():
+    """By hand: 0.01 is tested at 0.05 / 4, 0.03 at 0.05 / 3 (fails), so 0.04 and 0.2 keep 0.05 / 3; and on random
+    families, p below its level exactly where Holm's adjusted p is below 0.05, every level between Bonferroni's and
+    0.05."""
+    assert stats.holm_levels([0.01, 0.04, 0.03, 0.2], 0.05) == pytest.approx([0.0125, 0.05 / 3, 0.05 / 3, 0.05 / 3])
+    assert stats.holm_levels([0.001, 0.004, 0.02], 0.05) == pytest.approx([0.05 / 3, 0.025, 0.05])
+    rng = random.Random(0)
+    for _ in range(500):
+        ps = [rng.random() ** 3 for _ in range(rng.randint(1, 8))]
+        levels = stats.holm_levels(ps, 0.05)
+        assert [p < level for p, level in zip(ps, levels, strict=True)] == [a < 0.05 for a in stats.holm(ps)]
+        assert all(0.05 / len(ps) <= level <= 0.05 for level in levels)
+
+
 def test_the_report_says_equivalent_different_or_neither(tmp_path):
     """Five seeds each: one variant within a hair of the baseline (equivalent at 0.025), one 0.3 above (higher),
-    one noisy (neither: 'not distinguishable at' its simultaneous interval's largest bound)."""
+    one noisy (neither: 'not distinguishable at' its interval's largest bound); an interval excludes zero exactly
+    where the contrast is called lower or higher."""
     optional("matplotlib")  # write_study draws the figures too
     base = [3.70, 3.68, 3.71, 3.69, 3.72]
     finals = {v: [x + 0.3 for x in base] for v in lm_norm.NORM_VARIANTS}
@@ -127,6 +145,10 @@ def test_the_report_says_equivalent_different_or_neither(tmp_path):
     noisy = rows["diff_v2-matched", "standard"]
     assert noisy["verdict"] == f"not distinguishable at +-{max(abs(noisy['low']), abs(noisy['high'])):.3f}"
     assert all(r["p_zero_holm"] >= r["p_zero"] for r in rows.values())
+    for r in rows.values():
+        assert (r["low"] > 0 or r["high"] < 0) == (r["verdict"] in ("lower", "higher")), r
+        low, high = r["simultaneous"]  # Bonferroni's, at least as wide
+        assert low <= r["low"] + 1e-12 and r["high"] <= high + 1e-12
     text = (tmp_path / "section.md").read_text()
     assert "equivalent within +-0.025" in text and "| yes |" in text
     assert all((tmp_path / f).is_file() for f in lm_norm_report.FIGURES)
@@ -141,6 +163,44 @@ def test_the_report_says_equivalent_different_or_neither(tmp_path):
             "+-0.025") in context  # fmt: skip
     assert "DIFF V1 as published" in context and ": higher" in context
     assert "long budget" not in context  # the norm part, tuned fairly, answers instead of the long part
+    study = tmp_path / "lm" / "results.json"  # the study's report without the norm part: read from its own report
+    study.parent.mkdir()
+    study.write_text("{}")
+    beside = "\n".join(study_context(study, norm_path=tmp_path / "results.json"))
+    assert f"per-head norm part (`--part norm`, {os.path.relpath(tmp_path / 'section.md')})" in beside
+    assert f"{matched['mean']:+.4f} nats ({matched['low']:+.4f} to {matched['high']:+.4f})" in beside
+    assert "per-head norm part" not in "\n".join(study_context(study, norm_path=None))
+
+
+def test_export_keeps_what_the_destination_holds_and_refuses_a_run_of_the_same_name_that_differs(tmp_path):
+    """A norm study exported beside another part's report: the destination's timings stay beside the study's, and a
+    measure of the same name with other numbers (a run trained by other code) stops the export before it writes."""
+    optional("matplotlib")  # write_study draws the tuning figure
+    study, dest = tmp_path / "study", tmp_path / "dest"
+    lm_norm.open_norm(study, lm_norm.PLANS["cpu"])
+    (study / "measures").mkdir()
+    low, mid, high = PLAN.grids["diff-matched"]
+    measures = _measures({"diff-matched": {low: [3.8, 3.81], mid: [3.7, 3.71], high: [3.8, 3.82]}})
+    for name, m in measures.items():
+        (study / "measures" / f"{name}.json").write_text(json.dumps(m))
+    (study / "timings.json").write_text(json.dumps({"norm-tune": 100.0}))
+    name = next(iter(measures))
+    (dest / "measures").mkdir(parents=True)
+    (dest / "timings.json").write_text(json.dumps({"long": 50.0}))
+    (dest / "measures" / f"{name}.json").write_text(json.dumps({**measures[name], "val": {"loss": 3.9}}))
+    before = {p: p.read_bytes() for p in dest.rglob("*") if p.is_file()}
+
+    with pytest.raises(InputError, match=rf"differ from the study's under the same name \(measures/{name}.json\)"):
+        lm_report.export(study, dest)
+    assert {p: p.read_bytes() for p in dest.rglob("*") if p.is_file()} == before  # nothing written
+
+    (dest / "measures" / f"{name}.json").unlink()
+    result = lm_report.export(study, dest)
+    assert json.loads((dest / "timings.json").read_text()) == {"long": 50.0, "norm-tune": 100.0}
+    assert sorted(p.stem for p in (dest / "measures").iterdir()) == sorted(measures)
+    assert (dest / lm_norm.NORM_PLAN).read_bytes() == (study / lm_norm.NORM_PLAN).read_bytes()
+    assert result["norm"]["tuning"]["diff-matched"]["best"] == mid
+    assert lm_report.export(study, dest)["norm"] == result["norm"]  # exporting again: the same files, no clash
 
 
 # a whole toy norm part ---------------------------------------------------------------------------------------------

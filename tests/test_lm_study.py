@@ -279,7 +279,7 @@ def test_a_toy_study_runs_resumes_and_reports(toy_study):
 
     from difftransformer.apps.demo import study_context  # what `make demo` prints beside its own numbers
 
-    context = "\n".join(study_context(toy_study / "results.json"))
+    context = "\n".join(study_context(toy_study / "results.json", norm_path=None))
     assert f"DIFF - standard {result['paired']['interval'][0]:+.4f} nats" in context
     assert "as many differential heads" in context and "of 4 (size, budget) points" in context
     assert "no committed" in study_context(toy_study / "missing.json")[0]
@@ -504,13 +504,17 @@ def test_log_to_is_checked_before_a_study_starts(tmp_path):
     assert not any(tmp_path.iterdir())
 
 
-def test_the_committed_report_is_rebuilt_from_its_measures(tmp_path):
-    """experiments/reports/lm: results.json, section.md and every figure, written again from the committed plans and
-    measures alone (what `lm_report.export` keeps), are the committed files to the byte; a report edited by hand or
-    left behind its code fails here."""
+REPORTS = Path(__file__).resolve().parents[1] / "experiments" / "reports"
+LM_REPORTS = sorted(p.parent for p in REPORTS.glob("lm*/measures"))  # the studies exported by lm_report.export
+
+
+@pytest.mark.parametrize("committed", LM_REPORTS, ids=[p.name for p in LM_REPORTS])
+def test_the_committed_report_is_rebuilt_from_its_measures(tmp_path, committed):
+    """experiments/reports/lm (and lm-norm): results.json, section.md and every figure, written again from the
+    committed plans and measures alone (what `lm_report.export` keeps), are the committed files to the byte; a report
+    edited by hand or left behind its code fails here."""
     optional("matplotlib")
-    committed = Path(__file__).resolve().parents[1] / "experiments" / "reports" / "lm"
-    copy = tmp_path / "lm"
+    copy = tmp_path / committed.name
     shutil.copytree(committed, copy, ignore=shutil.ignore_patterns("*.png", "results.json", "section.md"))
     lm_report.write_study(copy)
     written = sorted(p.name for p in copy.iterdir() if p.is_file())

@@ -26,7 +26,9 @@ from difftransformer.training.interrupts import StopSignals
 from difftransformer.training.loop import TrainConfig, Trainer
 
 PROMPTS = ("Return the ", "The module ", "If the ")
-STUDY = Path(__file__).resolve().parents[2] / "experiments" / "reports" / "lm" / "results.json"
+REPORTS = Path(__file__).resolve().parents[2] / "experiments" / "reports"
+STUDY = REPORTS / "lm" / "results.json"
+NORM_STUDY = REPORTS / "lm-norm" / "results.json"  # the norm part's report, beside the study's (its own runs)
 # the demo's models: name -> (attention, ModelConfig overrides); the name is its run's folder in the demo's directory
 MODELS = {
     "diff": ("diff", {}),  # V1 as the paper has it: the per-head norm starts at weight 1
@@ -307,17 +309,19 @@ def _stopped(trainers: dict[str, Trainer], run_dir: Path, err: BaseException) ->
                                f"resume it with: {resume_command(run_dir)}")  # fmt: skip
 
 
-def study_context(path: Path = STUDY) -> list[str]:
-    """What the committed `difftx repro lm` report found, to read the demo's numbers against."""
-    try:
-        result = json.loads(path.read_text())
-    except (OSError, ValueError):
+def study_context(path: Path = STUDY, norm_path: Path | None = NORM_STUDY) -> list[str]:
+    """What the committed `difftx repro lm` report found, to read the demo's numbers against; the norm part from
+    ``path``'s report when it holds one, else from ``norm_path``'s (None: none)."""
+    result = _read_report(path)
+    if result is None:
         return [f"(no committed language-model study at {path}: run `difftx repro lm` for seeded comparisons)"]
     where = os.path.relpath(path.with_name("section.md"))
     name = result["scale"]["name"] if "scale" in result else "cpu"
     lines = [f"the committed study (`difftx repro lm --scale {name}`, {where}; BPE text, each architecture at "
              "its own best learning rate, matched data and initialisation):"]  # fmt: skip
-    norm = _norm_lines(result.get("norm"))
+    norm_file = path if "norm" in result or norm_path is None else norm_path
+    norm_report = result if norm_file == path else _read_report(norm_file) or {}
+    norm = _norm_lines(norm_report.get("norm"), os.path.relpath(norm_file.with_name("section.md")))
     lines += norm or _long_lines(result.get("long"))  # the norm part answers the long part's question, tuned fairly
     if "scale" in result:
         lines += _short_lines(result)
@@ -330,9 +334,16 @@ def study_context(path: Path = STUDY) -> list[str]:
     return lines
 
 
-def _norm_lines(norm: dict | None) -> list[str]:
+def _read_report(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _norm_lines(norm: dict | None, where: str) -> list[str]:
     """The norm part's answer when it is complete: DIFF V1 as published and with the matched gain, each against the
-    standard model with its simultaneous interval and what the contrast may say (equivalent, higher, lower or not
+    standard model with its Holm-adjusted interval and what the contrast may say (equivalent, higher, lower or not
     distinguishable)."""
     rows = {(r["first"], r["second"]): r for r in (norm or {}).get("contrasts", [])}
     shown = (("diff", "DIFF V1 as published"), ("diff-matched", "DIFF V1 with the matched gain"))
@@ -341,10 +352,10 @@ def _norm_lines(norm: dict | None) -> list[str]:
     plan = norm["plan"]
     d, layers, heads = plan["size"]
     lines = [
-        f"  per-head norm part (`--part norm`): width {d}, {layers} layers, {heads // 2} differential "
+        f"  per-head norm part (`--part norm`, {where}): width {d}, {layers} layers, {heads // 2} differential "
         f"head{'s' if heads // 2 > 1 else ''}, "
         f"{plan['steps']} steps, {plan['final_seeds']} seeds, every model tuned at that whole schedule; final "
-        f"validation loss against the standard model (intervals simultaneous 95% over the part's "
+        f"validation loss against the standard model (95% intervals, Holm-adjusted over the part's "
         f"{len(rows)} contrasts):"
     ]
     for v, label in shown:

@@ -27,6 +27,12 @@ parameters) is where it fits.
 The runs live in the same study directory as the other parts (the same prepared corpus, ``runs/``, ``measures/``):
 a run the long part trained with the same size, budget, variant, rate and seed is the same run and is not trained
 again. The plan is recorded in ``NORM_PLAN``.
+
+The committed report (``experiments/reports/lm-norm``) is the norm part's own: its study directory was seeded with the
+long part's three standard runs only. The long part's DIFF runs predate the fused CPU kernel's subnormal fix (issue
+#31), and trained again they end elsewhere (V1 at 0.024: +0.041 and +0.018 nats on seeds 0 and 1; without the norm
+at 0.006: within 2e-5), so the norm part trained its own; ``lm_report.export`` refuses to put two runs of one name
+in one report.
 """
 
 from __future__ import annotations

@@ -4,9 +4,10 @@ report, from ``measures/``).
 
 Statistics that say what they can: each contrast is a paired difference over seeds (the same seed: the same data
 order and the same initialisation of the shared layers); the contrasts form one family (``CONTRASTS``), whose p-values
-get Holm's adjustment, and whose intervals are Bonferroni-adjusted (simultaneous 95%). A contrast is called
-"equivalent" only when the TOST test at ``MARGIN`` rejects (Holm-adjusted), "different" when the test against zero
-does, and otherwise "not distinguishable at +-X", X the largest bound of its simultaneous interval.
+get Holm's adjustment; each interval is at the level of its contrast's Holm step, so that it excludes zero exactly
+when the contrast is called different (Bonferroni's simultaneous intervals are kept in results.json beside them). A
+contrast is called "equivalent" only when the TOST test at ``MARGIN`` rejects (Holm-adjusted), "lower" or "higher" when
+the test against zero does, and otherwise "not distinguishable at +-X", X the largest bound of its interval.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ COLORS = {
     "standard-head-norm-matched": "tab:cyan",
 }
 FIGURES = ("lm_norm_tuning.png", "lm_norm_curves.png")
+LARGE_GAP = 0.15  # nats: a mean gap to the standard model larger than this is drawn in a panel of its own
 
 
 def analyse(out: Path, measures: dict[str, dict]) -> dict | None:
@@ -87,14 +89,23 @@ def _tuning(state: dict) -> dict:
 
 
 def _contrasts(finals: dict, complete: list[str]) -> list[dict]:
-    rows = []
+    """The family's paired contrasts: Holm-adjusted p-values against zero and for TOST at the margin; each interval at
+    the level of its Holm step (it excludes zero exactly when Holm calls the difference), and Bonferroni's
+    simultaneous one beside it (``simultaneous``)."""
     family = [c for c in CONTRASTS if c[0] in complete and c[1] in complete]
-    level = 1 - ALPHA / max(1, len(family))  # simultaneous (Bonferroni) intervals over the family
-    for first, second, question in family:
+    differences = []
+    for first, second, _ in family:
         a, b = finals[first]["losses"], finals[second]["losses"]
         seeds = sorted(set(a) & set(b))
-        test = stats.paired_test([a[s] - b[s] for s in seeds], MARGIN, level)
-        rows.append({"first": first, "second": second, "question": question, "seeds": seeds, **test})
+        differences.append((seeds, [a[s] - b[s] for s in seeds]))
+    simultaneous = 1 - ALPHA / max(1, len(family))
+    rows = [{"first": first, "second": second, "question": question, "seeds": seeds,
+             **stats.paired_test(diffs, MARGIN, simultaneous)}
+            for (first, second, question), (seeds, diffs) in zip(family, differences, strict=True)]  # fmt: skip
+    levels = stats.holm_levels([r["p_zero"] for r in rows], ALPHA)
+    for row, level, (_, diffs) in zip(rows, levels, differences, strict=True):
+        row["simultaneous"] = [row["low"], row["high"]]
+        row.update(stats.paired_test(diffs, MARGIN, 1 - level))
     for key in ("p_zero", "p_tost"):
         for row, adjusted in zip(rows, stats.holm([r[key] for r in rows]), strict=True):
             row[key + "_holm"] = adjusted
@@ -168,11 +179,16 @@ def markdown(result: dict) -> list[str]:
         n = len(result["contrasts"])
         lines += [
             "",
-            f"### Contrasts (one family of {n}: Holm-adjusted p-values; intervals simultaneous 95%, Bonferroni)",
+            f"### Contrasts (one family of {n}, Holm-adjusted)",
             "",
-            f"Equivalence margin +-{result['margin']:g} nats (the paper's DIFF - Transformer gap at 1.4B).",
+            "Paired over seeds (the same seed: the same data order and initialisation of the shared layers). Each "
+            "interval is at the level of its contrast's step in Holm's procedure (95% adjusted: it excludes zero "
+            'exactly when the contrast is called lower or higher); "equivalent" needs the two one-sided tests '
+            f"(TOST) at the margin of +-{result['margin']:g} nats (the paper's DIFF - Transformer gap at 1.4B) to "
+            "reject after Holm's adjustment; otherwise the contrast is not distinguishable within the larger bound "
+            "of its interval. Bonferroni's simultaneous intervals are in results.json (`simultaneous`).",
             "",
-            "| contrast | question | difference (simultaneous interval) | p (= 0), Holm | p (TOST), Holm | says |",
+            "| contrast | question | difference (Holm-adjusted 95% interval) | p (= 0), Holm | p (TOST), Holm | says |",
             "|---|---|---|---|---|---|",
         ]
         for r in result["contrasts"]:
@@ -233,31 +249,42 @@ def _plot_tuning(result: dict, path: Path) -> None:
 
 def _plot_curves(result: dict, path: Path) -> None:
     """Loss against tokens from the first quarter on, and each variant minus standard with its interval, on a scale
-    set by the differences after that quarter (where the contested range lies)."""
+    set by the differences after that quarter; a gap larger than ``LARGE_GAP`` gets a panel of its own, so that it
+    does not squeeze the small ones (where the contested range lies)."""
     plt = figures.pyplot()
-    fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(13, 4.6))
     finals = {v: result["finals"][v] for v in result["complete"]}
     total = result["plan"]["steps"] * result["plan"]["seq_len"] * result["plan"]["batch_size"]
     start = total / 4
-    lows, highs, gaps = [], [], []
+    bands = {}
+    if "standard" in finals:
+        for v, row in finals.items():
+            if v != "standard":
+                bands[v] = [g for g in gap_curve(row["curves"], finals["standard"]["curves"]) if g[0] >= start]
+    large = [v for v, band in bands.items() if max(abs(g[1]) for g in band) > LARGE_GAP]
+    panels = [[v for v in bands if v not in large], large]
+    panels = [vs for vs in panels if vs]
+    fig, axes = plt.subplots(1, 1 + len(panels), figsize=(6.5 * (1 + len(panels)), 4.6), squeeze=False)
+    ax0 = axes[0, 0]
+    lows, highs = [], []
     for v, row in finals.items():
         mean = [m for m in curve_mean(list(row["curves"].values())) if m[0] >= start]
         ax0.plot([m[0] for m in mean], [m[1] for m in mean], color=COLORS[v], lw=2, label=LABELS[v])
         lows.append(min(m[1] for m in mean))
         highs.append(max(m[1] for m in mean))
-        if v == "standard" or "standard" not in finals:
-            continue
-        band = [g for g in gap_curve(row["curves"], finals["standard"]["curves"]) if g[0] >= start]
-        points = [g[0] for g in band]
-        ax1.plot(points, [g[1] for g in band], color=COLORS[v], lw=2)
-        ax1.fill_between(points, [g[2] for g in band], [g[3] for g in band], color=COLORS[v], alpha=0.12)
-        gaps += [y for g in band for y in g[1:]]
     ax0.set(xlabel="training tokens", ylabel="validation loss (nats), mean of the seeds",
             ylim=(min(lows) - 0.02, max(highs) + 0.02))  # fmt: skip
-    ax1.axhline(0, color="k", lw=0.8)
-    if gaps:
-        ax1.set_ylim(min(gaps) - 0.01, max(gaps) + 0.01)
-    ax1.set(xlabel="training tokens", ylabel="minus standard (nats)", title="paired difference (band: 95% interval)")
+    for ax, variants in zip(axes[0, 1:], panels, strict=True):
+        ys = []
+        for v in variants:
+            band = bands[v]
+            points = [g[0] for g in band]
+            ax.plot(points, [g[1] for g in band], color=COLORS[v], lw=2)
+            ax.fill_between(points, [g[2] for g in band], [g[3] for g in band], color=COLORS[v], alpha=0.12)
+            ys += [y for g in band for y in g[1:]]
+        ax.axhline(0, color="k", lw=0.8)
+        ax.set_ylim(min(*ys, 0) - 0.01, max(*ys, 0) + 0.01)
+        which = f"gaps above {LARGE_GAP:g} nats" if variants is large else "the smaller gaps"
+        ax.set(xlabel="training tokens", ylabel="minus standard (nats; band: pointwise 95% interval)", title=which)
     figures.finish(fig, path, f"validation loss from a quarter of the budget on, {result['plan']['final_seeds']} seeds")
 
 

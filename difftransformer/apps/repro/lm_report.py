@@ -27,6 +27,7 @@ from difftransformer.apps.repro.lm import (
 )
 from difftransformer.apps.repro.scaling import fit_power_law, fraction_needed
 from difftransformer.apps.repro.stats import t_interval
+from difftransformer.errors import InputError
 from difftransformer.fsutil import read_json_object, write_json
 
 PAPER = {
@@ -543,17 +544,34 @@ def _plot_sweep(result: dict, out: Path) -> None:
 def export(study: Path, dest: Path) -> dict:
     """The study's report without its models and data, into ``dest`` (for committing): the plan, the timings, every
     run's measurements and learning curve (curves/NAME.jsonl), then the report written from them. A study directory
-    seeded with ``dest``'s measures/ skips those runs, so a study can continue on another machine."""
-    dest.mkdir(parents=True, exist_ok=True)
-    for name in (STUDY, TIMINGS, *lm_long_report.PLAN_FILES, lm_norm.NORM_PLAN):
-        if (study / name).is_file():
-            shutil.copy2(study / name, dest / name)
-    for folder in ("measures", "curves"):
-        (dest / folder).mkdir(exist_ok=True)
-    measures = read_measures(study)
-    for name in measures:
-        shutil.copy2(study / "measures" / f"{name}.json", dest / "measures" / f"{name}.json")
+    seeded with ``dest``'s measures/ skips those runs, so a study can continue on another machine.
+
+    ``dest`` may hold another export: its timings are kept beside the study's (the study's win for the same part), and
+    a plan, measure or curve it holds under a name the study also writes must be the study's to the byte, or nothing
+    is written (a run of the same name trained by other code, a plan of another scale: export to another folder)."""
+    plans = (STUDY, *lm_long_report.PLAN_FILES, lm_norm.NORM_PLAN)
+    copies = {study / name: dest / name for name in plans if (study / name).is_file()}
+    for name in read_measures(study):
+        copies[study / "measures" / f"{name}.json"] = dest / "measures" / f"{name}.json"
         metrics = study / "runs" / name / "metrics.jsonl"
         if metrics.is_file():
-            shutil.copy2(metrics, dest / "curves" / f"{name}.jsonl")
+            copies[metrics] = dest / "curves" / f"{name}.jsonl"
+    clashes = [to for source, to in copies.items() if to.is_file() and to.read_bytes() != source.read_bytes()]
+    if clashes:
+        shown = ", ".join(str(p.relative_to(dest)) for p in clashes[:4]) + (" ..." if len(clashes) > 4 else "")
+        raise InputError(
+            f"{dest} already holds {len(clashes)} file(s) that differ from the study's under the same name ({shown}): "
+            "they come from another study or other code; nothing was written. Export into another folder (or "
+            "remove those files if the study's are meant to replace them)"
+        )
+    timings = {}
+    for path in (dest / TIMINGS, study / TIMINGS):
+        if path.is_file():
+            timings.update(read_json_object(path))
+    for folder in ("measures", "curves"):
+        (dest / folder).mkdir(parents=True, exist_ok=True)
+    for source, to in copies.items():
+        shutil.copy2(source, to)
+    if timings:
+        write_json(dest / TIMINGS, timings)
     return write_study(dest)

@@ -100,11 +100,27 @@ def holm(pvalues: list[float]) -> list[float]:
     return adjusted
 
 
+def holm_levels(pvalues: list[float], alpha: float) -> list[float]:
+    """The level at which Holm's step-down procedure tests each p-value: alpha / (m - k + 1) for the k-th smallest
+    while every smaller one was rejected, and from the first that is not on, the level at which that one failed. An
+    interval at 1 - level excludes the null value exactly when ``holm`` rejects (adjusted p-value below alpha); as a
+    set such intervals are not guaranteed to cover simultaneously (Bonferroni's at alpha / m are)."""
+    m = len(pvalues)
+    levels = [0.0] * m
+    failed = None
+    for rank, i in enumerate(sorted(range(m), key=lambda i: pvalues[i])):
+        step = alpha / (m - rank)
+        if failed is None and pvalues[i] >= step:
+            failed = step
+        levels[i] = step if failed is None else failed
+    return levels
+
+
 def paired_test(differences: list[float], margin: float, level: float) -> dict:
     """A paired comparison over seeds: the mean difference, its two-sided p-value against 0, and the TOST
     equivalence p-value at ``margin`` (the larger of the two one-sided p-values that the true difference is above
-    -margin and below +margin), with the two-sided interval at ``level`` (e.g. 0.95 / (family size) for an
-    interval Bonferroni-adjusted over a family) and the (1 - 2 alpha) one that TOST reads at that level."""
+    -margin and below +margin), with the two-sided interval at ``level`` (e.g. 1 - 0.05 / m for an interval
+    Bonferroni-adjusted over a family of m; TOST at a level alpha reads the (1 - 2 alpha) interval)."""
     n = len(differences)
     if n < 2:
         raise ValueError(f"a paired test needs at least 2 seeds, got {n}")
