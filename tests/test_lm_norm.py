@@ -137,6 +137,7 @@ def test_the_report_says_equivalent_different_or_neither(tmp_path):
     (tmp_path / "measures").mkdir()
     for name, m in measures.items():
         (tmp_path / "measures" / f"{name}.json").write_text(json.dumps(m))
+    (tmp_path / "timings.json").write_text(json.dumps({"long": 999.0, "norm-tune": 7200.0, "norm-final": 3600.0}))
     result = lm_report.write_study(tmp_path)["norm"]
     rows = {(r["first"], r["second"]): r for r in result["contrasts"]}
     assert len(rows) == len(lm_norm_report.CONTRASTS)
@@ -151,6 +152,7 @@ def test_the_report_says_equivalent_different_or_neither(tmp_path):
         assert low <= r["low"] + 1e-12 and r["high"] <= high + 1e-12
     text = (tmp_path / "section.md").read_text()
     assert "equivalent within +-0.025" in text and "| yes |" in text
+    assert "two runs at a time: tune 2.0 h, final 1.0 h, 3.0 of the issue's 8 hours" in text  # not the long part's
     assert all((tmp_path / f).is_file() for f in lm_norm_report.FIGURES)
 
     from difftransformer.apps.demo import study_context  # what `make demo` prints beside its own numbers

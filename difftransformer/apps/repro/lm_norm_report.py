@@ -24,6 +24,7 @@ from difftransformer.fsutil import read_json_object
 
 MARGIN = 0.025  # nats: the equivalence margin, the paper's DIFF - Transformer gap at 1.4B (3.062 - 3.087)
 ALPHA = 0.05
+BUDGET_HOURS = 8  # issue #49's budget of machine time for the whole part
 # (first, second, the question the difference answers)
 CONTRASTS = (
     ("diff", "standard", "DIFF V1 as published against the baseline"),
@@ -67,6 +68,8 @@ def analyse(out: Path, measures: dict[str, dict]) -> dict | None:
     names |= {lm.Run(SIZE, plan.steps[0], v, st["best"], s).name
               for v, st in state.items() if st["best"] is not None for s in range(plan.final_seeds)}  # fmt: skip
     result["run_hours"] = sum(measures[n].get("train_seconds", 0.0) for n in names if n in measures) / 3600
+    timings = read_json_object(out / lm.TIMINGS) if (out / lm.TIMINGS).is_file() else {}
+    result["machine_hours"] = {k: v / 3600 for k, v in timings.items() if k.startswith("norm-")}
     complete = [v for v, f in finals.items() if len(f["losses"]) == plan.final_seeds]
     result["complete"] = complete
     result["contrasts"] = _contrasts(finals, complete)
@@ -149,11 +152,10 @@ def markdown(result: dict) -> list[str]:
         "per rate, rates a factor of 2 apart, extended until the best is inside); the tuning seeds' runs at the best "
         f"rate are the first {plan['tune_seeds']} of its {plan['final_seeds']} final seeds.",
         "",
-        f"Training so far: {result['run_hours']:.1f} run-hours (the grid's runs, those reused from the long part "
-        "included; two runs at a time: about "
-        f"{result['run_hours'] / 2:.1f} hours of the machine). The issue's second size (3 times the parameters) "
-        "does not fit its 8-hour budget beside this grid on this machine and was cut (`lm_norm`'s docstring has "
-        "the arithmetic).",
+        f"Training so far: {result['run_hours']:.1f} run-hours (the grid's runs, those reused from another part "
+        f"included){_machine_time(result['machine_hours'])}. The issue's second size (3 times the parameters) "
+        f"does not fit its {BUDGET_HOURS:g}-hour budget beside this grid on this machine and was cut (`lm_norm`'s "
+        "docstring has the arithmetic).",
         "",
         "### Tuning",
         "",
@@ -207,6 +209,14 @@ def markdown(result: dict) -> list[str]:
             text = f"{iv[0]:.0%} ({iv[1]:.0%} to {iv[2]:.0%})" if iv else f"not reached on {missed} of {n} seeds"
             lines.append(f"- {LABELS[v]}: {text}")
     return lines
+
+
+def _machine_time(hours: dict[str, float]) -> str:
+    if not hours:
+        return ""
+    stages = ", ".join(f"{k.removeprefix('norm-')} {h:.1f} h" for k, h in hours.items())
+    return (f"; the machine's wall clock, two runs at a time: {stages}, {sum(hours.values()):.1f} of the issue's "
+            f"{BUDGET_HOURS:g} hours")  # fmt: skip
 
 
 # the figures -------------------------------------------------------------------------------------------------------
