@@ -251,8 +251,10 @@ def _plot_tuning(result: dict, path: Path) -> None:
         ax.set_visible(False)
     for ax in axes[:, 0]:
         ax.set_ylabel("validation loss (nats)")
-    for ax in axes[-1, :]:
-        ax.set_xlabel("peak learning rate")
+    for column in range(cols):  # the lowest panel of each column that is drawn
+        shown = [ax for ax in axes[:, column] if ax.get_visible()]
+        if shown:
+            shown[-1].set_xlabel("peak learning rate")
     figures.finish(fig, path, f"tuning at the whole budget ({result['plan']['steps']} steps): mean (dots: seeds; "
                    "dotted: best)")  # fmt: skip
 
