@@ -88,7 +88,7 @@ def test_presets_gains_are_the_rule_at_the_first_and_last_layer(capsys, monkeypa
         assert line.split()[0] == name and line.endswith(f"{gains[0]:.3f} / {gains[-1]:.3f}"), line
     assert "the paper's V1 starts it at 1 in every layer" in lines[3]
     assert main(["presets"]) == 0
-    assert "matched" not in capsys.readouterr().out  # only when asked: the paper's sizes take a minute
+    assert "first / last layer" not in capsys.readouterr().out  # only when asked: the paper's sizes take a minute
 
 
 @pytest.mark.slow

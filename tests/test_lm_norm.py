@@ -118,7 +118,7 @@ def test_holm_levels_reject_exactly_where_holm_does():
         assert all(0.05 / len(ps) <= level <= 0.05 for level in levels)
 
 
-def test_the_report_says_equivalent_different_or_neither(tmp_path):
+def test_the_report_says_equivalent_different_or_neither(tmp_path, monkeypatch, capsys):
     """Five seeds each: one variant within a hair of the baseline (equivalent at 0.025), one 0.3 above (higher),
     one noisy (neither: 'not distinguishable at' its interval's largest bound); an interval excludes zero exactly
     where the contrast is called lower or higher."""
@@ -172,6 +172,21 @@ def test_the_report_says_equivalent_different_or_neither(tmp_path):
     assert f"per-head norm part (`--part norm`, {os.path.relpath(tmp_path / 'section.md')})" in beside
     assert f"{matched['mean']:+.4f} nats ({matched['low']:+.4f} to {matched['high']:+.4f})" in beside
     assert "per-head norm part" not in "\n".join(study_context(study, norm_path=None))
+
+    from difftransformer.apps import demo  # and what `difftx presets` prints after its table, from the same report
+    from difftransformer.apps.cli import main
+    from difftransformer.core import config
+
+    monkeypatch.setattr(demo, "NORM_STUDY", tmp_path / "results.json")
+    monkeypatch.setattr(config, "PRESETS", {"tiny": config.PRESETS["tiny"]})
+    capsys.readouterr()
+    assert main(["presets"]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[-3:] == demo.norm_context()  # the demo's lines, unindented
+    assert printed[-1].startswith("  DIFF V1 with the matched gain") and f"{matched['mean']:+.4f} nats (" in printed[-1]
+    monkeypatch.setattr(demo, "NORM_STUDY", tmp_path / "missing" / "results.json")
+    assert main(["presets"]) == 0
+    assert "per-head norm part" not in capsys.readouterr().out
 
 
 def test_export_keeps_what_the_destination_holds_and_refuses_a_run_of_the_same_name_that_differs(tmp_path):

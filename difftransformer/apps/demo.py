@@ -319,9 +319,12 @@ def study_context(path: Path = STUDY, norm_path: Path | None = NORM_STUDY) -> li
     name = result["scale"]["name"] if "scale" in result else "cpu"
     lines = [f"the committed study (`difftx repro lm --scale {name}`, {where}; BPE text, each architecture at "
              "its own best learning rate, matched data and initialisation):"]  # fmt: skip
-    norm_file = path if "norm" in result or norm_path is None else norm_path
-    norm_report = result if norm_file == path else _read_report(norm_file) or {}
-    norm = _norm_lines(norm_report.get("norm"), os.path.relpath(norm_file.with_name("section.md")))
+    if "norm" in result or norm_path is None:
+        from difftransformer.apps.repro.lm_norm_report import summary
+
+        norm = summary(result.get("norm"), where, "  ")
+    else:
+        norm = norm_context(norm_path, "  ")
     lines += norm or _long_lines(result.get("long"))  # the norm part answers the long part's question, tuned fairly
     if "scale" in result:
         lines += _short_lines(result)
@@ -334,35 +337,21 @@ def study_context(path: Path = STUDY, norm_path: Path | None = NORM_STUDY) -> li
     return lines
 
 
+def norm_context(path: Path | None = None, indent: str = "") -> list[str]:
+    """The norm part's answer in ``path``'s report (default: the committed one, NORM_STUDY), by
+    ``lm_norm_report.summary``; none while the report is missing or partial."""
+    from difftransformer.apps.repro.lm_norm_report import summary
+
+    path = NORM_STUDY if path is None else path
+    report = _read_report(path) or {}
+    return summary(report.get("norm"), os.path.relpath(path.with_name("section.md")), indent)
+
+
 def _read_report(path: Path) -> dict | None:
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-
-
-def _norm_lines(norm: dict | None, where: str) -> list[str]:
-    """The norm part's answer when it is complete: DIFF V1 as published and with the matched gain, each against the
-    standard model with its Holm-adjusted interval and what the contrast may say (equivalent, higher, lower or not
-    distinguishable)."""
-    rows = {(r["first"], r["second"]): r for r in (norm or {}).get("contrasts", [])}
-    shown = (("diff", "DIFF V1 as published"), ("diff-matched", "DIFF V1 with the matched gain"))
-    if not all((v, "standard") in rows for v, _ in shown):
-        return []
-    plan = norm["plan"]
-    d, layers, heads = plan["size"]
-    lines = [
-        f"  per-head norm part (`--part norm`, {where}): width {d}, {layers} layers, {heads // 2} differential "
-        f"head{'s' if heads // 2 > 1 else ''}, "
-        f"{plan['steps']} steps, {plan['final_seeds']} seeds, every model tuned at that whole schedule; final "
-        f"validation loss against the standard model (95% intervals, Holm-adjusted over the part's "
-        f"{len(rows)} contrasts):"
-    ]
-    for v, label in shown:
-        r = rows[v, "standard"]
-        lines.append(f"    {label} (learning rate {norm['finals'][v]['lr']:g}): {r['mean']:+.4f} nats "
-                     f"({r['low']:+.4f} to {r['high']:+.4f}): {r['verdict']}")  # fmt: skip
-    return lines
 
 
 def _long_lines(long: dict | None) -> list[str]:

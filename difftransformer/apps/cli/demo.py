@@ -15,6 +15,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _presets(args: argparse.Namespace) -> int:
+    from difftransformer.apps.demo import norm_context
     from difftransformer.core.config import PRESETS, ModelConfig
     from difftransformer.core.head_norm_gain import matched_gains
     from difftransformer.core.model import count_parameters
@@ -48,6 +49,8 @@ def _presets(args: argparse.Namespace) -> int:
         "A run takes its vocabulary from its data's tokenizer: the byte tokenizer's 257 tokens (256 bytes and an "
         "end-of-document token; the demo's) add one embedding row and one output row to a 256-token preset"
     )
+    for line in norm_context():  # what the committed study found for DIFF V1's per-head norm at a small size
+        print(line)
     return 0
 
 

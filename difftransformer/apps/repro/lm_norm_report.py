@@ -219,6 +219,30 @@ def _machine_time(hours: dict[str, float]) -> str:
             f"{BUDGET_HOURS:g} hours")  # fmt: skip
 
 
+def summary(norm: dict | None, where: str, indent: str = "") -> list[str]:
+    """The norm part's answer when it is complete: DIFF V1 as published and with the matched gain, each against the
+    standard model with its Holm-adjusted interval and what the contrast may say (equivalent, higher, lower or not
+    distinguishable), for `make demo` and `difftx presets`; none until both contrasts are measured."""
+    rows = {(r["first"], r["second"]): r for r in (norm or {}).get("contrasts", [])}
+    shown = (("diff", "DIFF V1 as published"), ("diff-matched", "DIFF V1 with the matched gain"))
+    if not all((v, "standard") in rows for v, _ in shown):
+        return []
+    plan = norm["plan"]
+    d, layers, heads = plan["size"]
+    lines = [
+        f"{indent}per-head norm part (`--part norm`, {where}): width {d}, {layers} layers, {heads // 2} differential "
+        f"head{'s' if heads // 2 > 1 else ''}, "
+        f"{plan['steps']} steps, {plan['final_seeds']} seeds, every model tuned at that whole schedule; final "
+        f"validation loss against the standard model (95% intervals, Holm-adjusted over the part's "
+        f"{len(rows)} contrasts):"
+    ]
+    for v, label in shown:
+        r = rows[v, "standard"]
+        lines.append(f"{indent}  {label} (learning rate {norm['finals'][v]['lr']:g}): {r['mean']:+.4f} nats "
+                     f"({r['low']:+.4f} to {r['high']:+.4f}): {r['verdict']}")  # fmt: skip
+    return lines
+
+
 # the figures -------------------------------------------------------------------------------------------------------
 def plot(result: dict, out: Path) -> None:
     if any(st["losses"] for st in result["tuning"].values()):
