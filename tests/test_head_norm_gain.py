@@ -37,12 +37,12 @@ def attention_rms(model, tokens):
     rms = {}
     last = len(model.layers) - 1
 
-    def record(module, args, out, i):
+    def record(out, i):
         rms[i] = out.double().pow(2).mean().sqrt()
         if i == last:
             raise _Measured
 
-    hooks = [b.attn.register_forward_hook(lambda m, a, o, i=i: record(m, a, o, i)) for i, b in enumerate(model.layers)]
+    hooks = [b.attn.register_forward_hook(lambda m, a, out, i=i: record(out, i)) for i, b in enumerate(model.layers)]
     try:
         with torch.no_grad():
             model(tokens)
