@@ -34,6 +34,15 @@ def cli(*args, env_extra=None):
     return difftx(*args), env
 
 
+LEAVES_THE_GROUP = """import sys
+import torch.distributed as dist
+from difftransformer.apps.cli import main
+code = main(sys.argv[1:])
+print("group still joined" if dist.is_initialized() else "group left", flush=True)
+sys.exit(code)
+"""
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
 def test_two_processes_match_one(prepared, tmp_path, parallel):
@@ -44,10 +53,13 @@ def test_two_processes_match_one(prepared, tmp_path, parallel):
     cmd, env = cli(
         "train", *args, "--out", str(tmp_path / "two"), "--parallel", parallel, env_extra={"OMP_NUM_THREADS": "1"}
     )
-    proc = subprocess.run(
-        torchrun + ["-m", "difftransformer"] + cmd[3:], env=env, capture_output=True, text=True, timeout=300
-    )
+    program = tmp_path / "difftx_then_report_the_group.py"
+    program.write_text(LEAVES_THE_GROUP)
+    proc = subprocess.run(torchrun + [str(program)] + cmd[3:], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    # each process left the group before exiting: joined at the interpreter's shutdown, gloo's threads could abort a
+    # run that had finished (SIGABRT, "terminate called without an active exception"), failing the group
+    assert proc.stdout.count("group left") == 2, proc.stdout[-2000:]
     one, two = losses(tmp_path / "one"), losses(tmp_path / "two")
     assert [s for s, _ in one] == [s for s, _ in two] == list(range(1, 7))
     for (_, a), (_, b) in zip(one, two, strict=True):

@@ -49,7 +49,7 @@ class World:
 def init_world(device: str | torch.device = "auto", timeout: float = 600) -> World:
     """Pick the device (``devices.resolve_device``: ``cuda`` is LOCAL_RANK's GPU), make it this process's current
     GPU, then join the torchrun process group when launched by it (NCCL on a GPU, gloo elsewhere; collectives time
-    out after ``timeout`` seconds)."""
+    out after ``timeout`` seconds). The caller leaves the group with ``leave_world`` before it exits."""
     device = resolve_device(device)
     if device.type == "cuda":
         torch.cuda.set_device(device)  # before the group: NCCL binds each process to its current GPU
@@ -66,6 +66,15 @@ def init_world(device: str | torch.device = "auto", timeout: float = 600) -> Wor
             dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]), world_size=size, timeout=wait)
     rank = dist.get_rank() if dist.is_initialized() else 0
     return World(rank, size, device)
+
+
+def leave_world() -> None:
+    """Destroy the process group, if this process joined one (``init_world``). A program that joins one must call
+    this before it exits (``difftx`` does, whatever the outcome): left to the interpreter's shutdown, gloo's worker
+    threads could still hold tensors while Python was torn down, and a run that had finished and saved everything
+    then died by SIGABRT ("terminate called without an active exception"), failing its torchrun group."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _attempt_store(timeout: timedelta):

@@ -21,6 +21,15 @@ def main(argv: list[str] | None = None) -> int:
         return _main(argv)
     except KeyboardInterrupt:  # before the command started (imports, parsing): nothing was written
         return fail("difftx", "stopped by SIGINT", code=130, label="interrupted")
+    finally:
+        _leave_process_group()
+
+
+def _leave_process_group() -> None:
+    """Leave the torchrun process group a command joined (training/distributed.leave_world), while Python is
+    still whole: exiting with it joined could abort a run that had succeeded."""
+    if "difftransformer.training.distributed" in sys.modules:
+        sys.modules["difftransformer.training.distributed"].leave_world()
 
 
 def _start_up_interrupted() -> bool:
