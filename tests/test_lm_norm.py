@@ -153,6 +153,7 @@ def test_the_report_says_equivalent_different_or_neither(tmp_path, monkeypatch, 
     text = (tmp_path / "section.md").read_text()
     assert "equivalent within +-0.025" in text and "| yes |" in text
     assert "two runs at a time: tune 2.0 h, final 1.0 h, 3.0 of the issue's 8 hours" in text  # not the long part's
+    assert "Training: " in text and "so far" not in text  # every variant has all its seeds
     assert all((tmp_path / f).is_file() for f in lm_norm_report.FIGURES)
 
     from difftransformer.apps.demo import study_context  # what `make demo` prints beside its own numbers
@@ -182,11 +183,16 @@ def test_the_report_says_equivalent_different_or_neither(tmp_path, monkeypatch, 
     capsys.readouterr()
     assert main(["presets"]) == 0
     printed = capsys.readouterr().out.splitlines()
-    assert printed[-3:] == demo.norm_context()  # the demo's lines, unindented
-    assert printed[-1].startswith("  DIFF V1 with the matched gain") and f"{matched['mean']:+.4f} nats (" in printed[-1]
+    assert printed[-5:] == demo.norm_context()  # the demo's lines, unindented
+    assert printed[-3].startswith("  DIFF V1 with the matched gain") and f"{matched['mean']:+.4f} nats (" in printed[-3]
+    assert printed[-2].startswith("  DIFF V2 with the standard model's parameter count (learning rate ")
+    assert printed[-2].endswith(f"nats ({noisy['low']:+.4f} to {noisy['high']:+.4f}): {noisy['verdict']}")
+    assert printed[-1].startswith("  so start a small DIFF V1 model's per-head norm at the matched gain")
+    rows["diff-matched", "diff"]["verdict"] = "not distinguishable at +-0.300"  # the rule not shown to help V1
+    assert not any("so start" in line for line in lm_norm_report.summary(result, "here"))
     monkeypatch.setattr(demo, "NORM_STUDY", tmp_path / "missing" / "results.json")
     assert main(["presets"]) == 0
-    assert "per-head norm part" not in capsys.readouterr().out
+    assert "per-head norm part" not in (out := capsys.readouterr().out) and "so for a small" not in out
 
 
 def test_export_keeps_what_the_destination_holds_and_refuses_a_run_of_the_same_name_that_differs(tmp_path):

@@ -17,11 +17,12 @@ Two stages, each continuing where an interrupted study stopped (the same command
 2. ``final``: every variant at its best rate, every seed; the tuning seeds' runs at that rate are the same runs (a
    tuning run is a final run), so the seeds beyond them are the ones trained here.
 
-Budget (issue #49: 8 hours of machine time, two runs at a time, one thread each): a run takes 12-15 minutes two at a
-time on the project's 2-core machine, so the 42 tuning runs (fewer where the long part's bit-identical standard
-runs are reused), their extensions and the 21 further final runs take about 7 hours. The issue's second size (3 times
-the parameters at 20 tokens per parameter: 9 times the compute of a run, 4 variants x 3 seeds plus their tuning) would
-take about 36 more hours here, so it is cut from this budget; the GPU plan of ``lm_long`` (width 256, 12 times the
+Budget (issue #49: 8 hours of machine time, two runs at a time, one thread each): a run took 9-14 minutes two at a time
+on the project's 2-core machine (medians by variant; V2 the slowest), and the study took 7.2 hours of the machine's wall
+clock: tuning 5.3 hours (54 runs: 42 at the first grids, 12 at the 6 rates added beyond a grid's edge; two of them are
+the long part's bit-identical standard runs, reused), the 21 further final seeds 1.9 hours. The issue's second size (3
+times the parameters at 20 tokens per parameter: 9 times the compute of a run, 4 variants x 3 seeds plus their tuning)
+would take about 36 more hours here, so it is cut from this budget; the GPU plan of ``lm_long`` (width 256, 12 times the
 parameters) is where it fits.
 
 The runs live in the same study directory as the other parts (the same prepared corpus, ``runs/``, ``measures/``):

@@ -67,7 +67,8 @@ def analyse(out: Path, measures: dict[str, dict]) -> dict | None:
     names = {r.name for r in lm_norm.tune_runs(plan, state)}
     names |= {lm.Run(SIZE, plan.steps[0], v, st["best"], s).name
               for v, st in state.items() if st["best"] is not None for s in range(plan.final_seeds)}  # fmt: skip
-    result["run_hours"] = sum(measures[n].get("train_seconds", 0.0) for n in names if n in measures) / 3600
+    # fsum: exact, so the same whatever the set's order (string hashes differ between processes)
+    result["run_hours"] = math.fsum(measures[n].get("train_seconds", 0.0) for n in names if n in measures) / 3600
     timings = read_json_object(out / lm.TIMINGS) if (out / lm.TIMINGS).is_file() else {}
     result["machine_hours"] = {k: v / 3600 for k, v in timings.items() if k.startswith("norm-")}
     complete = [v for v, f in finals.items() if len(f["losses"]) == plan.final_seeds]
@@ -152,7 +153,8 @@ def markdown(result: dict) -> list[str]:
         "per rate, rates a factor of 2 apart, extended until the best is inside); the tuning seeds' runs at the best "
         f"rate are the first {plan['tune_seeds']} of its {plan['final_seeds']} final seeds.",
         "",
-        f"Training so far: {result['run_hours']:.1f} run-hours (the grid's runs, those reused from another part "
+        f"Training{'' if len(result['complete']) == len(result['tuning']) else ' so far'}: "
+        f"{result['run_hours']:.1f} run-hours (the grid's runs, those reused from another part "
         f"included){_machine_time(result['machine_hours'])}. The issue's second size (3 times the parameters) "
         f"does not fit its {BUDGET_HOURS:g}-hour budget beside this grid on this machine and was cut (`lm_norm`'s "
         "docstring has the arithmetic).",
@@ -220,13 +222,17 @@ def _machine_time(hours: dict[str, float]) -> str:
 
 
 def summary(norm: dict | None, where: str, indent: str = "") -> list[str]:
-    """The norm part's answer when it is complete: DIFF V1 as published and with the matched gain, each against the
-    standard model with its Holm-adjusted interval and what the contrast may say (equivalent, higher, lower or not
-    distinguishable), for `make demo` and `difftx presets`; none until both contrasts are measured."""
+    """The norm part's answer when it is complete: DIFF V1 as published and with the matched gain (and DIFF V2 with
+    matched parameters, when measured), each against the standard model with its Holm-adjusted interval and what the
+    contrast may say (equivalent, higher, lower or not distinguishable), for `make demo` and `difftx presets`, and
+    the advice to start a small V1's norm at the matched gain when the rule's contrast within V1 says lower; none
+    until both V1 contrasts are measured."""
     rows = {(r["first"], r["second"]): r for r in (norm or {}).get("contrasts", [])}
     shown = (("diff", "DIFF V1 as published"), ("diff-matched", "DIFF V1 with the matched gain"))
     if not all((v, "standard") in rows for v, _ in shown):
         return []
+    if ("diff_v2-matched", "standard") in rows:
+        shown += (("diff_v2-matched", "DIFF V2 with the standard model's parameter count"),)
     plan = norm["plan"]
     d, layers, heads = plan["size"]
     lines = [
@@ -240,6 +246,12 @@ def summary(norm: dict | None, where: str, indent: str = "") -> list[str]:
         r = rows[v, "standard"]
         lines.append(f"{indent}  {label} (learning rate {norm['finals'][v]['lr']:g}): {r['mean']:+.4f} nats "
                      f"({r['low']:+.4f} to {r['high']:+.4f}): {r['verdict']}")  # fmt: skip
+    if rows.get(("diff-matched", "diff"), {}).get("verdict") == "lower":  # the rule helps V1 where it was measured
+        lines.append(
+            f"{indent}  so start a small DIFF V1 model's per-head norm at the matched gain where the paper's weight 1 "
+            'is above it (difftx presets --gains): head_norm_gain = "matched" in a config\'s [model] table, as '
+            "configs/tiny.toml and configs/small.toml do; measured at this one size, the default stays the paper's 1"
+        )
     return lines
 
 
