@@ -276,3 +276,26 @@ def test_fsdp_mixed_precision_matches_one_process_within_bfloat16s_own_error(pre
     assert 0 < eps_loss < 0.02 and 0 < eps_weights  # bfloat16 does round: the tolerance is not zero
     assert loss <= 3 * eps_loss, (loss, eps_loss)
     assert weights <= 3 * eps_weights, (weights, eps_weights)
+
+
+def test_difftx_leaves_an_intact_group_and_keeps_its_outcome_if_leaving_fails(monkeypatch, capsys):
+    """`main` leaves the process group after every outcome but a broken group's (exit 4: torchrun ends that one,
+    and destroying it could wait on a dead process); a failure to leave is a warning, not a new outcome."""
+    from difftransformer.apps.cli import exits
+    from difftransformer.training import distributed
+
+    left = []
+    monkeypatch.setattr(distributed, "leave_world", lambda: left.append(True))
+    for code, leaves in ((0, True), (2, True), (130, True), (exits.GROUP_FAILED, False)):
+        left.clear()
+        monkeypatch.setattr(exits, "_main", lambda argv, code=code: code)
+        assert exits.main([]) == code and left == ([True] if leaves else [])
+
+    def refuses():
+        raise RuntimeError("the store went away")
+
+    monkeypatch.setattr(distributed, "leave_world", refuses)
+    monkeypatch.setattr(exits, "_main", lambda argv: 0)
+    capsys.readouterr()
+    assert exits.main([]) == 0
+    assert "leaving the process group failed (RuntimeError: the store went away)" in capsys.readouterr().err

@@ -15,21 +15,38 @@ def main(argv: list[str] | None = None) -> int:
     """Run one command. Exit codes: 0 done, 2 bad input or a file problem (one line on stderr), 3 training
     diverged, 4 another process of the group failed (torchrun), 130/143 interrupted by SIGINT/SIGTERM, 1 a defect
     (with its traceback: please report it)."""
+    code = None
+    try:
+        code = _start_and_run(argv)
+        return code
+    finally:
+        if code != GROUP_FAILED:  # a broken group is torchrun's to end: destroying it could wait on a dead process
+            _leave_process_group()
+
+
+GROUP_FAILED = 4
+
+
+def _start_and_run(argv: list[str] | None) -> int:
     try:
         if _start_up_interrupted():
             return fail("difftx", "stopped by SIGINT", code=130, label="interrupted")
         return _main(argv)
     except KeyboardInterrupt:  # before the command started (imports, parsing): nothing was written
         return fail("difftx", "stopped by SIGINT", code=130, label="interrupted")
-    finally:
-        _leave_process_group()
 
 
 def _leave_process_group() -> None:
     """Leave the torchrun process group a command joined (training/distributed.leave_world), while Python is
-    still whole: exiting with it joined could abort a run that had succeeded."""
-    if "difftransformer.training.distributed" in sys.modules:
-        sys.modules["difftransformer.training.distributed"].leave_world()
+    still whole: exiting with it joined could abort a run that had succeeded. A failure to leave is reported and
+    does not change the command's outcome."""
+    distributed = sys.modules.get("difftransformer.training.distributed")
+    if distributed is None:
+        return
+    try:
+        distributed.leave_world()
+    except Exception as err:  # the command has ended: its result and its message stand
+        print(f"difftx: warning: leaving the process group failed ({type(err).__name__}: {err})", file=sys.stderr)
 
 
 def _start_up_interrupted() -> bool:
@@ -111,4 +128,4 @@ def _main(argv: list[str] | None) -> int:
             f"{failure}: another process of the group stopped first (torchrun's report names it; its own error, if "
             "it printed one, is above) or hangs (`collective_timeout`)"
         )
-        return fail(where, name_fields(problem, flag_namer(args.parser)), code=4)
+        return fail(where, name_fields(problem, flag_namer(args.parser)), code=GROUP_FAILED)
