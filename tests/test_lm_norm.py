@@ -192,7 +192,7 @@ def test_the_report_says_equivalent_different_or_neither(tmp_path, monkeypatch, 
     assert not any("so start" in line for line in lm_norm_report.summary(result, "here"))
     monkeypatch.setattr(demo, "NORM_STUDY", tmp_path / "missing" / "results.json")
     assert main(["presets"]) == 0
-    assert "per-head norm part" not in (out := capsys.readouterr().out) and "so for a small" not in out
+    assert "per-head norm part" not in (out := capsys.readouterr().out) and "so start a small" not in out
 
 
 def test_export_keeps_what_the_destination_holds_and_refuses_a_run_of_the_same_name_that_differs(tmp_path):
