@@ -10,6 +10,8 @@ from difftransformer.apps.cli.parser import build_parser
 from difftransformer.apps.cli.parsing import fail, flag_namer
 from difftransformer.errors import name_fields
 
+GROUP_FAILED = 4  # the exit code of a process whose torchrun group broke
+
 
 def main(argv: list[str] | None = None) -> int:
     """Run one command. Exit codes: 0 done, 2 bad input or a file problem (one line on stderr), 3 training
@@ -22,9 +24,6 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if code != GROUP_FAILED:  # a broken group is torchrun's to end: destroying it could wait on a dead process
             _leave_process_group()
-
-
-GROUP_FAILED = 4
 
 
 def _start_and_run(argv: list[str] | None) -> int:
