@@ -4,6 +4,7 @@ reader of their documented record format (LevelDB's log format: 32 KiB blocks of
 
 import json
 import math
+import re
 import struct
 import subprocess
 import sys
@@ -132,8 +133,12 @@ def test_wandb_offline_writes_one_run_whose_resume_starts_after_its_checkpoint(p
     run = tmp_path / "run"
     interrupted_and_resumed(prepared, run, log_to="jsonl,wandb")
     run_id = (run / "wandb" / "wandb_id").read_text().strip()
-    first, second = sorted((run / "wandb").glob("offline-run-*"))
-    assert first.name.endswith(run_id) and second.name.endswith(run_id)  # one W&B run, two invocations
+    # one W&B run, two invocations: W&B names each invocation's folder offline-run-<second>-<id>, with "-1" added when
+    # the resume starts within the same second as the first invocation (wandb_init's set_sync_dir_suffix)
+    folders = {m.group(1, 2): d for d in (run / "wandb").glob("offline-run-*")
+               if (m := re.fullmatch(rf"offline-run-(\d{{8}}_\d{{6}})-{run_id}(?:-(\d+))?", d.name))}  # fmt: skip
+    assert len(folders) == 2 == len(list((run / "wandb").glob("offline-run-*"))), sorted(folders)
+    first, second = (folders[k] for k in sorted(folders, key=lambda k: (k[0], int(k[1] or 0))))
     rows = metric_rows(run)
     same(wandb_history(second / f"run-{run_id}.wandb"), expected_scalars(rows[4:]), rel=1e-12)
     stopped = wandb_history(first / f"run-{run_id}.wandb")
