@@ -75,9 +75,14 @@ def _fit_without_a_default_device(self, until=None):
 
 
 loop.Trainer.fit = _fit_without_a_default_device
-atexit.register(
-    lambda: print(
-        f"rank {os.environ.get('RANK')} checked collectives: {dict(sorted(CHECKED.items()))}", file=sys.stderr
-    )
-)
+
+
+def _report():
+    # one write of the whole line: print writes the text and its newline apart, and the two processes' lines then
+    # interleave on the shared stderr pipe (a write this short to a pipe is atomic)
+    sys.stderr.write(f"rank {os.environ.get('RANK')} checked collectives: {dict(sorted(CHECKED.items()))}\n")
+    sys.stderr.flush()
+
+
+atexit.register(_report)
 sys.exit(main())
