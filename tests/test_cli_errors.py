@@ -322,3 +322,29 @@ def test_a_defect_keeps_its_traceback(monkeypatch):
     monkeypatch.setattr(demo, "_presets", broken)
     with pytest.raises(ValueError, match="an internal invariant broke"):
         main(["presets"])
+
+
+def test_an_error_line_is_written_whole_so_processes_lines_do_not_run_together(monkeypatch):
+    """Each process of a torchrun group prints its own error line to one shared stderr pipe. Python's stderr there is
+    an unbuffered text stream over the pipe (write_through): every write is its own write to the pipe, so a line
+    printed as text then newline (as print does) can have another process's line land inside it. The line must reach
+    the pipe in one write, with its newline."""
+    import io
+
+    from difftransformer.apps.cli.parsing import fail
+
+    class Pipe(io.RawIOBase):
+        def __init__(self):
+            self.writes = []
+
+        def writable(self):
+            return True
+
+        def write(self, data):
+            self.writes.append(bytes(data))
+            return len(data)
+
+    pipe = Pipe()
+    monkeypatch.setattr("sys.stderr", io.TextIOWrapper(pipe, encoding="utf-8", write_through=True))
+    assert fail("difftx train", "process 0 of 2 stopped:   the process group failed", code=4) == 4
+    assert pipe.writes == [b"difftx train: error: process 0 of 2 stopped: the process group failed\n"]

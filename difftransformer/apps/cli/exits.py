@@ -45,7 +45,7 @@ def _leave_process_group() -> None:
     try:
         distributed.leave_world()
     except Exception as err:  # the command has ended: its result and its message stand
-        print(f"difftx: warning: leaving the process group failed ({type(err).__name__}: {err})", file=sys.stderr)
+        fail("difftx", f"leaving the process group failed ({type(err).__name__}: {err})", label="warning")
 
 
 def _start_up_interrupted() -> bool:
