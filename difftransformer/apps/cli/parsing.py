@@ -155,7 +155,7 @@ def check_utf8(text: str, flag: str) -> None:
 def fail(where: str, message: str, code: int = 2, label: str = "error") -> int:
     """Print ``where: label: message`` as one line on stderr and return ``code``. One write with its newline: print
     writes the text and the newline apart, and under torchrun the processes' lines then run together on a shared
-    stderr (a line this short is written to a pipe whole)."""
+    stderr (a pipe takes one write of up to 4096 bytes, PIPE_BUF on Linux, whole)."""
     sys.stderr.write(f"{where}: {label}: {' '.join(message.split())}\n")
     sys.stderr.flush()
     return code
