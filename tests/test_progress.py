@@ -127,7 +127,9 @@ def test_watching_polls_a_counter_until_the_block_ends():
         for _ in range(4):
             count["n"] += 1
             time.sleep(0.05)
-        time.sleep(0.1)  # the count is complete, the block still works
+        deadline = time.monotonic() + 10  # the count is complete, the block still works: until the poller notes it
+        while "evaluating" not in out.getvalue() and time.monotonic() < deadline:  # (a fixed wait could miss it)
+            time.sleep(0.01)
     lines = out.getvalue().splitlines()
     assert lines[0].startswith("repro x  ") and lines[-1].startswith("repro x  4/4 steps")
     noted = [line for line in lines if "evaluating" in line]
