@@ -1,5 +1,6 @@
 """The training loop: metrics, schedule, checkpoints, exact resume (also after SIGKILL), accumulation, compile."""
 
+import json
 import os
 import random
 import signal
@@ -61,6 +62,13 @@ def test_resume_in_process_is_bitwise_identical(prepared, tmp_path):
     assert losses(tmp_path / "part") == losses(tmp_path / "full")
 
 
+def _last_logged_step(run) -> int:
+    """The step of the last complete row of a running run's metrics.jsonl (0 before the first)."""
+    path = run / "metrics.jsonl"
+    lines = path.read_text().split("\n")[:-1] if path.exists() else []  # the part after the last newline may be cut
+    return json.loads(lines[-1])["step"] if lines else 0
+
+
 @pytest.mark.slow
 def test_resume_after_sigkill_is_bitwise_identical(prepared, tmp_path):
     args = ["train", *train_args(prepared, max_steps=300, eval_interval=10, ckpt_interval=7)]
@@ -68,10 +76,12 @@ def test_resume_after_sigkill_is_bitwise_identical(prepared, tmp_path):
     subprocess.run(cmd, env=env, check=True, timeout=300)
     cmd, env = cli(*args, "--out", str(tmp_path / "killed"))
     proc = subprocess.Popen(cmd, env=env)
-    deadline = time.time() + 120
-    while not list_checkpoints(tmp_path / "killed") and time.time() < deadline:
-        time.sleep(0.05)
-    time.sleep(random.Random(os.getpid()).uniform(0.0, 2.0))
+    # killed at a step drawn between the first checkpoint (7) and 200, wherever it falls in the checkpoint cycle: a
+    # delay after the first checkpoint (0-2 s, as before) left 0.6 s to spare before the run's end on an idle core,
+    # none on a faster one
+    target, deadline = random.Random(os.getpid()).randrange(8, 200), time.time() + 120
+    while _last_logged_step(tmp_path / "killed") < target and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.01)
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=60)
     assert proc.returncode == -signal.SIGKILL
