@@ -242,7 +242,7 @@ def test_every_collective_tensor_is_on_the_worlds_device(prepared, tmp_path, par
         env=ONE_THREAD, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    # found anywhere in stderr, not by line: the two processes share the pipe (CI once saw their lines run together)
+    # found anywhere in stderr, not by line: the two processes share the pipe (a run here saw their lines run together)
     counts = dict(re.findall(r"rank (\d) checked collectives: (\{[^}]*\})", proc.stderr))
     assert sorted(counts) == ["0", "1"] and all("'all_reduce'" in c for c in counts.values()), proc.stderr[-3000:]
     assert len(metric_rows(tmp_path / "run")) == 6 // 2 + 1  # steps 2, 3 (validation), 4, 6
