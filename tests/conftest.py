@@ -120,6 +120,16 @@ def metric_rows(run_dir) -> list[dict]:
     return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
 
 
+def last_logged_step(run_dir) -> int:
+    """The step of the last complete row of a running run's metrics.jsonl (0 before the first): the text after the
+    last newline may be a row still being written, which metric_rows would fail to parse."""
+    from pathlib import Path
+
+    path = Path(run_dir) / "metrics.jsonl"
+    lines = path.read_text().split("\n")[:-1] if path.exists() else []
+    return json.loads(lines[-1])["step"] if lines else 0
+
+
 def losses(run_dir) -> list[tuple[int, float]]:
     """(step, training loss) of every logged row of a run."""
     return [(r["step"], r["loss"]) for r in metric_rows(run_dir)]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import difftx, losses, metric_rows, small_config, train_args
+from conftest import difftx, last_logged_step, losses, metric_rows, small_config, train_args
 
 from difftransformer.core.config import ModelConfig
 from difftransformer.core.model import TransformerLM
@@ -179,7 +179,7 @@ def test_a_killed_process_restarts_the_group_which_resumes_bitwise(prepared, tmp
     )
     deadline = time.time() + 300
     while time.time() < deadline and not (
-        (run / "checkpoints" / "step_00000010").is_dir() and len(metric_rows(run)) >= 13
+        (run / "checkpoints" / "step_00000010").is_dir() and last_logged_step(run) >= 13
     ):
         time.sleep(0.05)
     ranks = _ranks(launcher)

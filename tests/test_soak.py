@@ -15,23 +15,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import difftx, losses, train_args
+from conftest import difftx, last_logged_step, losses, train_args
 
 from difftransformer.store.checkpoint import list_checkpoints, load_checkpoint
 
 STEPS, EVERY, KEEP = 2000, 20, 3
-
-
-def _last_step(run: Path) -> int:
-    """The step of metrics.jsonl's last complete row (0 before the first)."""
-    try:
-        lines = (run / "metrics.jsonl").read_text().splitlines()
-    except FileNotFoundError:
-        return 0
-    for line in reversed(lines):
-        if line.endswith("}"):
-            return int(line.rsplit('"step": ', 1)[1].split(",")[0])
-    return 0
 
 
 def _rss_kib(pid: int) -> int | None:
@@ -50,7 +38,7 @@ class Watch:
         self.run, self.most_on_disk, self.rss = run, 0, {}
 
     def poll(self, proc: subprocess.Popen) -> int:
-        step = _last_step(self.run)
+        step = last_logged_step(self.run)
         root = self.run / "checkpoints"
         if root.is_dir():  # complete checkpoints and writes in progress alike
             self.most_on_disk = max(self.most_on_disk, len(list(root.iterdir())))

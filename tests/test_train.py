@@ -1,6 +1,5 @@
 """The training loop: metrics, schedule, checkpoints, exact resume (also after SIGKILL), accumulation, compile."""
 
-import json
 import os
 import random
 import signal
@@ -10,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import SMALL, difftx, losses, small_config, train_args
+from conftest import SMALL, difftx, last_logged_step, losses, small_config, train_args
 
 from difftransformer.store import checkpoint
 from difftransformer.store.checkpoint import list_checkpoints, load_checkpoint
@@ -62,13 +61,6 @@ def test_resume_in_process_is_bitwise_identical(prepared, tmp_path):
     assert losses(tmp_path / "part") == losses(tmp_path / "full")
 
 
-def _last_logged_step(run) -> int:
-    """The step of the last complete row of a running run's metrics.jsonl (0 before the first)."""
-    path = run / "metrics.jsonl"
-    lines = path.read_text().split("\n")[:-1] if path.exists() else []  # the part after the last newline may be cut
-    return json.loads(lines[-1])["step"] if lines else 0
-
-
 @pytest.mark.slow
 def test_resume_after_sigkill_is_bitwise_identical(prepared, tmp_path):
     args = ["train", *train_args(prepared, max_steps=300, eval_interval=10, ckpt_interval=7)]
@@ -80,7 +72,7 @@ def test_resume_after_sigkill_is_bitwise_identical(prepared, tmp_path):
     # delay after the first checkpoint (0-2 s, as before) left 0.6 s to spare before the run's end on an idle core
     # here, and on a machine twice as fast about a third of the draws came after it
     target, deadline = random.Random(os.getpid()).randrange(8, 200), time.time() + 120
-    while _last_logged_step(tmp_path / "killed") < target and proc.poll() is None and time.time() < deadline:
+    while last_logged_step(tmp_path / "killed") < target and proc.poll() is None and time.time() < deadline:
         time.sleep(0.01)
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=60)
