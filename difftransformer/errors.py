@@ -67,6 +67,16 @@ class Interrupted(Exception):
         super().__init__(message)
 
 
+class Stopped(KeyboardInterrupt):
+    """SIGTERM or SIGHUP (a closed terminal) while a command runs, outside training's own handling: raised as Ctrl-C's
+    KeyboardInterrupt is, so that whatever cleans up after Ctrl-C (a half-written directory removed, a demo's models
+    saved) does after these too. ``discarded`` may list what was not written (fsutil.write_new_dir adds it)."""
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+        super().__init__(signum)
+
+
 class Fields:
     """Range checks of one config object's fields, each raising a ConfigError that names the field."""
 

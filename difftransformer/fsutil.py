@@ -3,6 +3,7 @@ appear complete or not at all; small files are replaced atomically)."""
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import re
@@ -14,6 +15,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from difftransformer.errors import InputError
+from difftransformer.paths import RECORD_LIMIT, TEXT_LIMIT, check_output, errno_words, read_bytes
 
 T = TypeVar("T")
 
@@ -24,12 +26,12 @@ def shell(path: str | Path) -> str:
     return shlex.quote(str(path))
 
 
-def read_text(path: str | Path) -> str:
-    """A file's text, which must be UTF-8; a byte-order mark at its start is not text and is dropped (it once became
-    three tokens at the start of a document). The error names the first bad byte and how to convert: a UTF-16 file
-    says so by its byte-order mark; anything else is most often Latin-1."""
+def read_text(path: str | Path, limit: int = TEXT_LIMIT, what: str = "") -> str:
+    """A file's text (within ``limit`` bytes: paths.read_bytes), which must be UTF-8; a byte-order mark at its start
+    is not text and is dropped (it once became three tokens at the start of a document). The error names the first
+    bad byte and how to convert: a UTF-16 file says so by its byte-order mark; anything else is most often Latin-1."""
     path = Path(path)
-    data = path.read_bytes()
+    data = read_bytes(path, limit, what, hint="split it into smaller files" if limit == TEXT_LIMIT else "")
     try:
         return data.decode("utf-8").removeprefix("\ufeff")
     except UnicodeDecodeError as err:
@@ -65,7 +67,8 @@ def _unique_keys(pairs: list[tuple[str, Any]], where: str) -> dict[str, Any]:
 
 
 def read_json_object(path: str | Path) -> dict[str, Any]:
-    return parse_json_object(read_text(path), str(path))
+    """A JSON object the project reads back (a config, a manifest, a record), within RECORD_LIMIT bytes."""
+    return parse_json_object(read_text(path, RECORD_LIMIT), str(path))
 
 
 def write_atomic(path: str | Path, write: Callable[[Path], object]) -> None:
@@ -89,7 +92,7 @@ def write_atomic(path: str | Path, write: Callable[[Path], object]) -> None:
         if number is None:
             raise
         kept = "the earlier file is unchanged" if path.exists() else "nothing of it was left"
-        raise OSError(number, f"could not write {path} ({os.strerror(number)}); {kept}") from err
+        raise OSError(number, f"could not write {path}: {errno_words(number)}; {kept}") from err
 
 
 def _read_umask() -> int:
@@ -112,9 +115,12 @@ def write_json(path: str | Path, data: object, indent: int = 1) -> None:
 
 
 def check_new_dir(path: Path, what: str, allow: tuple[str, ...] = ()) -> None:
-    """Refuse to write into a directory that already holds something (other than the names in ``allow``):
-    nothing existing is overwritten."""
-    if path.exists() and (not path.is_dir() or any(p.name not in allow for p in path.iterdir())):
+    """Refuse to write into a directory that already holds something (other than the names in ``allow``), or over a
+    file: nothing existing is overwritten. The path must pass paths.check_output too."""
+    path = check_output(path, what)
+    if path.exists() and not path.is_dir():
+        raise FileExistsError(f"{what} {path} already exists and is a file, not a folder; choose another path")
+    if path.is_dir() and any(p.name not in allow for p in path.iterdir()):
         raise FileExistsError(f"{what} {path} already exists and is not empty; choose another path or remove it")
 
 
@@ -142,12 +148,19 @@ def remove_stale_temporaries(directory: Path, prefix: str) -> list[Path]:
 
 
 def write_new_dir(out: str | Path, what: str, write: Callable[[Path], T]) -> T:
-    """Call ``write(tmp)`` on a temporary sibling of ``out``, then rename it to ``out``; on any error remove it.
-    Temporaries of earlier writes that were killed are removed first."""
-    out = Path(out)
-    check_new_dir(out, what)
+    """Call ``write(tmp)`` on a temporary sibling of ``out``, then rename it to ``out``; on any error (a signal
+    included) remove it. Temporaries of earlier writes that were killed are removed first; a live one (another
+    process writing ``out`` now) is refused before any work. An ``out`` that is a link to an empty folder is written
+    where the link points."""
+    check_new_dir(Path(out), what)
+    given, out = Path(out), Path(os.path.realpath(out))
     prefix = f".{out.name}.tmp-"
     remove_stale_temporaries(out.parent, prefix)
+    others = [p.name[len(prefix) :] for p in out.parent.glob(f"{glob.escape(prefix)}*")]
+    if busy := [pid for pid in others if pid.isdigit() and int(pid) != os.getpid()]:  # live: the stale are gone
+        raise InputError(
+            f"another process (pid {busy[0]}) is writing {what} {given} now; wait for it or choose another path"
+        )
     tmp = out.parent / f"{prefix}{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -158,14 +171,12 @@ def write_new_dir(out: str | Path, what: str, write: Callable[[Path], T]) -> T:
         tmp.rename(out)
     except BaseException as err:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(err, KeyboardInterrupt):  # a signal: the one-line message says what was not written
+            err.discarded = [*getattr(err, "discarded", []), f"{what} {given}"]
         number = io_errno(err)
         if number is None:
             raise
-        raise OSError(
-            number,
-            f"could not write {what} {out} ({os.strerror(number)}); nothing of it was left: free some space (or fix "
-            "the problem) and run the command again",
-        ) from err
+        raise OSError(number, f"could not write {what} {given}: {errno_words(number)}; nothing of it was left") from err
     return result
 
 

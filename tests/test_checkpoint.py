@@ -130,7 +130,10 @@ def test_a_swapped_optimizer_file_is_said_once(tmp_path):
 
     model = {"w": torch.ones(2, 2)}
     for step, value in ((2, 1.0), (4, 2.0)):
-        optim = {"state": {"w": {"exp_avg": torch.full((2, 2), value), "step": step}}, "param_groups": [{"lr": 0.1}]}
+        optim = {
+            "state": {"w": {"exp_avg": torch.full((2, 2), value), "step": step}},
+            "param_groups": [{"lr": 0.1, "params": ["w"]}],
+        }
         save_checkpoint(tmp_path, step, model, optim, {}, keep_last=0)
     first, second = list_checkpoints(tmp_path)
     shutil.copy(first / "optimizer.safetensors", second / "optimizer.safetensors")
@@ -144,9 +147,33 @@ def test_a_swapped_optimizer_file_is_said_once(tmp_path):
 def test_loaded_tensors_do_not_keep_their_file_mapped(tmp_path):
     """After a resume the optimizer held tensors that mapped optimizer.safetensors: once keep-last deleted the
     checkpoint its disk space stayed in use until the process ended."""
-    optim = {"state": {"w": {"exp_avg": torch.randn(256, 256), "step": 1}}, "param_groups": [{"lr": 0.1}]}
+    optim = {
+        "state": {"w": {"exp_avg": torch.randn(256, 256), "step": 1}},
+        "param_groups": [{"lr": 0.1, "params": ["w"]}],
+    }
     path = save_checkpoint(tmp_path, 1, {"w": torch.randn(256, 256)}, optim, {}, keep_last=0)
     model, optim_sd, _ = load_checkpoint(path)
     maps = open(f"/proc/{os.getpid()}/maps").read()
     assert str(path) not in maps, "a checkpoint file is still mapped"
     assert model["w"].shape == (256, 256) and optim_sd["state"]["w"]["exp_avg"].shape == (256, 256)
+
+
+def test_a_file_where_a_checkpoint_goes_is_left_as_it_is_and_the_write_refused(tmp_path):
+    """A regular file at RUN/checkpoints/step_N: the save once renamed it to a hidden .old- file and failed with
+    ENOTDIR, and the next resume said it removed that file, which stayed. Now the file is kept, nothing of the write
+    is left, and a resume names it before it trains (refuse_foreign_checkpoints)."""
+    from difftransformer.store.checkpoint import refuse_foreign_checkpoints
+
+    model_state, optim_state = _states()
+    save_checkpoint(tmp_path, 3, model_state, optim_state, {})
+    root = tmp_path / "checkpoints"
+    (root / "step_00000004").write_text("a user's notes")
+    with pytest.raises(InputError, match=r"step_00000004 is not a checkpoint directory \(a file or a link"):
+        save_checkpoint(tmp_path, 4, model_state, optim_state, {})
+    assert sorted(p.name for p in root.iterdir()) == ["step_00000003", "step_00000004"]
+    assert (root / "step_00000004").read_text() == "a user's notes"
+    with pytest.raises(InputError, match=r"step_00000004 is not a checkpoint \(a file or a link, where training"):
+        refuse_foreign_checkpoints(tmp_path)
+    (root / f".old-step_00000003-{os.getpid()}").write_text("not a folder")
+    assert clean_stale(tmp_path) == []  # the trainer writes folders only: a file is never said to be removed
+    assert (root / f".old-step_00000003-{os.getpid()}").read_text() == "not a folder"

@@ -92,10 +92,39 @@ def world(tmp_path_factory) -> Path:
     Trainer(small_config(root / "data", root / "unstarted", max_steps=2000), quiet=True).close()  # warmup 200
     train(small_config(root / "data-bpe", root / "run-bpe", max_steps=2, ckpt_interval=2), quiet=True)
     shutil.copytree(root / "run-bpe", root / "swapped")
+    _defects_of_the_audit(root, llama)
     other = write_corpus(root / "corpus2", seed=1)
     train_bpe(iter_documents(find_files([other])), 300, root / "tok2")
     shutil.copy(root / "tok2" / "tokenizer.json", root / "swapped" / "tokenizer.json")
     return root
+
+
+def _defects_of_the_audit(root: Path, llama) -> None:
+    """The files of issue #54's cases: a Hugging Face directory whose config says 60000 layers, one whose
+    model.safetensors is a FIFO, a synthetic task's token-id tokenizer, a run with a file where a checkpoint goes, a
+    run whose train_config.json asks for windows longer than its model's context, a folder whose text file is a link
+    to /dev/zero, a bench context figure without its store, and a store of another shape."""
+    from difftransformer.store.tokenizer import IdTokenizer
+
+    plain = transformers.LlamaConfig(**{**llama.to_dict(), "rope_scaling": None, "num_hidden_layers": 2})
+    transformers.LlamaForCausalLM(plain).save_pretrained(root / "hf60")
+    shutil.copy(root / "tok" / "tokenizer.json", root / "hf60" / "tokenizer.json")
+    shutil.copytree(root / "hf60", root / "fifohf")
+    config = json.loads((root / "hf60" / "config.json").read_text())
+    (root / "hf60" / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 60000}))
+    (root / "fifohf" / "model.safetensors").unlink()
+    os.mkfifo(root / "fifohf" / "model.safetensors")
+    IdTokenizer(64).save(root / "idstok")
+    shutil.copytree(root / "run", root / "filestep")
+    (root / "filestep" / "checkpoints" / "step_00000009").write_text("a user's notes")
+    shutil.copytree(root / "run", root / "longseq")
+    recipe = json.loads((root / "longseq" / "train_config.json").read_text())
+    (root / "longseq" / "train_config.json").write_text(json.dumps({**recipe, "seq_len": 100000}))
+    (root / "zerodir").mkdir()
+    (root / "zerodir" / "a.txt").write_text("some text")
+    (root / "zerodir" / "zero.txt").symlink_to("/dev/zero")
+    (root / "ctx.png").write_bytes(b"a figure of something else")
+    (root / "badctx.json").write_text('{"benchmark": "context", "rows": 5}')
 
 
 TRAIN = "train --data {w}/data --out {w}/new --model " + shlex.quote(json.dumps(SMALL)) + " --quiet"
@@ -284,6 +313,26 @@ CASES = [
     ("repro lm --scale tpu", "argument --scale: invalid choice: 'tpu'"),
     ("repro lm --scale gpu --out {w}/lm", "--scale gpu trains on 'cuda', which this machine lacks"),
     ("demo --steps 0", "argument --steps: must be at least 1, got 0"),
+    # issue #54's cases
+    (
+        "convert --from-hf {w}/hf60 --out {w}/c",
+        "{w}/hf60: config.json says 60000 layers, the weights hold layers 0 to 1",
+    ),
+    ("convert --from-hf {w}/fifohf --out {w}/c", "{w}/fifohf/model.safetensors is a FIFO (named pipe)"),
+    (
+        "data prepare --input {w}/zerodir --out {w}/d",
+        "{w}/zerodir/zero.txt (a link to /dev/zero) is a character device",
+    ),
+    ("data prepare --input {w}/corpus --out {w}/d --tokenizer {w}/idstok", "ids-64 reads token ids"),
+    ("bench attention --seq 8 --json {w}/small.txt", "--json {w}/small.txt already exists; choose another path"),
+    ("bench context --seq 64 --json {w}/ctx.json", "{w}/ctx.png already exists and is not this new study's figure"),
+    ("bench context --seq 64 --json {w}/badctx.json", "{w}/badctx.json is damaged: machine is missing"),
+    ("bench context --seq 64 --json {w}/ctx.png", "--json {w}/ctx.png must name a .json file"),
+    ("train --resume {w}/filestep --max-steps 8", "{w}/filestep/checkpoints/step_00000009 is not a checkpoint (a file"),
+    ("train --resume {w}/longseq --max-steps 8", "longseq/train_config.json: seq_len 100000 exceeds the model's max"),
+    ("train --data {w}/data --out {w}/small.txt", "run directory {w}/small.txt already exists and is a file"),
+    ("train --data {w}/data --out .", "--out . is the working directory"),
+    ("quantize --run {w}/run --scheme w8a16 --out {w}/run/checkpoints/step_99999999", "inside the checkpoints folder"),
     ("presets --bogus", "unrecognized arguments: --bogus"),
 ]
 
@@ -348,3 +397,21 @@ def test_an_error_line_is_written_whole_so_processes_lines_do_not_run_together(m
     monkeypatch.setattr("sys.stderr", io.TextIOWrapper(pipe, encoding="utf-8", write_through=True))
     assert fail("difftx train", "process 0 of 2 stopped:   the process group failed", code=4) == 4
     assert pipe.writes == [b"difftx train: error: process 0 of 2 stopped: the process group failed\n"]
+
+
+def test_the_cpu_allocators_refusal_is_the_out_of_memory_message(monkeypatch, capsys):
+    """`train --batch-size 1048576` asked the CPU allocator for 128 GiB: its RuntimeError kept its traceback."""
+    import difftransformer.apps.cli.demo as demo
+
+    def refused(_args):
+        raise RuntimeError(
+            "[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: you tried to "
+            "allocate 137438953472 bytes. Error code 12 (Cannot allocate memory)"
+        )
+
+    monkeypatch.setattr(demo, "_presets", refused)
+    assert main(["presets"]) == 2
+    assert capsys.readouterr().err == (
+        "difftx presets: error: out of memory: an allocation of 128.0 GiB was refused; use a smaller batch, model or "
+        "sequence length\n"
+    )

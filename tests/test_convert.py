@@ -324,3 +324,32 @@ def test_an_hf_directorys_own_code_is_never_run(prepared, tmp_path, capsys):
     )  # fmt: skip
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "transformers could not load" in proc.stderr and not marker.exists()
+
+
+def test_a_tied_config_over_a_head_of_its_own_converts_to_what_transformers_computes(corpus_dir, tmp_path, capsys):
+    """config.json ties the head to the embedding, the weights hold a head of their own: transformers 5 keeps them
+    apart (its logits use the file's head), 4.x ties them. The import built a tied model from the head, whose logits
+    differed from transformers' by up to 4.5 with exit 0; it now computes what the loaded model computes."""
+    import json
+
+    from safetensors.torch import load, save_file
+
+    from difftransformer.store.tokenizer import ByteTokenizer
+
+    hf = tmp_path / "hf"
+    config = transformers.LlamaConfig(
+        vocab_size=257, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        tie_word_embeddings=True,
+    )  # fmt: skip
+    transformers.LlamaForCausalLM(config).save_pretrained(hf)
+    ByteTokenizer().to_hf().save(str(hf / "tokenizer.json"))
+    weights = load((hf / "model.safetensors").read_bytes())
+    weights["lm_head.weight"] = torch.randn(257, 32, generator=torch.Generator().manual_seed(3))
+    save_file(weights, hf / "model.safetensors", {"format": "pt"})
+    assert json.loads((hf / "config.json").read_text())["tie_word_embeddings"] is True
+    assert main(["convert", "--from-hf", str(hf), "--out", str(tmp_path / "back")]) == 0, capsys.readouterr().err
+    model, _ = load_run(tmp_path / "back")
+    reference = transformers.AutoModelForCausalLM.from_pretrained(hf).eval()
+    tokens = torch.randint(0, 257, (2, 12), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens), reference(tokens).logits, rtol=1e-4, atol=1e-4)

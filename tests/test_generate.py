@@ -184,3 +184,16 @@ def test_decode_rows_path_equals_plain(causal):
         fast = kernels.diff_attention(q, k, v, lam, scale=d**-0.5, causal=causal, mask=mask, impl="auto")
         plain, _ = differential_attention(q, k, v, lam, scale=d**-0.5, causal=causal, mask=mask)
     torch.testing.assert_close(fast, plain, rtol=1e-5, atol=1e-6)
+
+
+def test_a_tiny_temperature_samples_the_most_likely_token():
+    """`generate --temperature 1e-39` ended in multinomial's traceback: logits / 1e-39 overflowed to inf, and softmax
+    of inf is NaN. Divided after subtracting the row's largest, any positive temperature is a distribution."""
+    from difftransformer.inference.generate import sample_next
+
+    logits = torch.randn(3, 50) * 10
+    generator = torch.Generator().manual_seed(0)
+    for temperature in (1e-39, 1e-30, 1e-6):
+        picked = sample_next(logits, temperature, None, None, generator)
+        assert torch.equal(picked, logits.argmax(-1)), temperature
+    assert torch.isfinite(torch.softmax((logits - logits.amax(-1, keepdim=True)) / 1e-39, -1)).all()

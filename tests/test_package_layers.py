@@ -16,7 +16,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "difftransformer"
 LAYERS = ["foundation", "core", "store", "training", "inference", "interop", "apps"]
-FOUNDATION = {"devices", "errors", "fsutil", "progress", "threads"}
+FOUNDATION = {"devices", "errors", "fsutil", "paths", "progress", "schema", "threads"}
 
 
 def layer_of(module: str) -> str:

@@ -63,6 +63,9 @@ def test_id_tokenizer_reads_and_writes_token_ids(tmp_path):
     with pytest.raises(ValueError, match="has no Hugging Face tokenizer"):
         tok.to_hf()
     (tmp_path / "tokenizer_spec.json").write_text('{"kind": "ids", "vocab_size": "64"}')
+    with pytest.raises(ValueError, match="is damaged: vocab_size must be an integer, got '64'"):
+        load_tokenizer(tmp_path)
+    (tmp_path / "tokenizer_spec.json").write_text('{"kind": "ids", "vocab_size": 0}')
     with pytest.raises(ValueError, match="is damaged: vocab_size must be a positive integer"):
         load_tokenizer(tmp_path)
 

@@ -15,16 +15,17 @@ import torch
 from difftransformer.apps.analysis import attention_maps
 from difftransformer.errors import InputError
 from difftransformer.fsutil import write_atomic
+from difftransformer.paths import TEXT_LIMIT, read_bytes
 
 MAX_LABELLED = 48  # positions up to which the axes are labelled with the tokens
 
 
 def read_prompt(path: str | Path) -> str:
     path = Path(path)
-    if not path.is_file():
+    if not path.exists():
         raise FileNotFoundError(f"prompt file {path} does not exist")
     try:
-        text = path.read_bytes().decode("utf-8")
+        text = read_bytes(path, TEXT_LIMIT, "prompt file").decode("utf-8")
     except UnicodeDecodeError as err:
         raise InputError(f"prompt file {path} is not valid UTF-8 (byte {err.start}): save it as UTF-8") from None
     if not text.strip():
@@ -49,7 +50,7 @@ def load_prompt(run: str | Path, prompt_file: str | Path) -> tuple[torch.nn.Modu
 
 def analyze_attention(run: str | Path, prompt_file: str | Path, out: str | Path, layer: int = -1) -> Path:
     out = Path(out)
-    if out.exists():
+    if out.exists() or out.is_symlink():
         raise FileExistsError(f"{out} already exists; choose another `out` or remove it")
     if out.suffix.lower() != ".png":
         raise InputError(f"`out` must name a .png file, got {out}")

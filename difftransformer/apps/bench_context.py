@@ -32,10 +32,36 @@ from difftransformer.core.model import TransformerLM
 from difftransformer.errors import InputError
 from difftransformer.fsutil import read_json_object, write_json
 from difftransformer.inference.cache import KVCache
+from difftransformer.schema import NUMBER, check
 
 MODELS = ("diff", "standard", "hf-diffllama")
 KINDS = ("prefill", "train")
 DEFAULT_SEQS = [1024 * 2**i for i in range(7)]  # 1K .. 64K
+
+# the store (schema.py's notation): bench.py's record, one row per (kind, model, T) measured, failed or skipped
+_ROW = {
+    "kind": str,
+    "model": str,
+    "seq": int,
+    "fits": (bool, None),
+    "seconds?": [NUMBER],
+    "repeats?": int,
+    "peak_rss?": int,
+    "rss_before?": int,
+    "skipped?": str,
+    "error?": str,
+}
+_MEASURED = {**_ROW, "seconds": [NUMBER], "repeats": int, "peak_rss": int}
+STORE_SCHEMA = {
+    "benchmark": str,
+    "machine": {"cpu": str, "cuda": (str, None), "torch": str, "threads": int, "python": str},
+    "device": str,
+    "dtype": str,
+    "shapes": {"preset": str, "batch": int},
+    "repeats": int,
+    "rows": [_ROW],
+    "budget_bytes?": int,
+}
 
 
 def default_budget_bytes() -> int:
@@ -93,7 +119,15 @@ def bench_context(
 def _open_store(store: Path, preset: str, batch: int) -> dict:
     if store.exists():
         result = read_json_object(store)
-        if result.get("benchmark") != "context" or result["shapes"] != {"preset": preset, "batch": batch}:
+        if result.get("benchmark") == "context":  # another benchmark's record is refused below, as not this study
+            fix = "choose another --json path to start a new study"
+            check(result, STORE_SCHEMA, str(store), fix)
+            for row in result["rows"]:
+                if "seconds" in row or "peak_rss" in row:  # a measurement: its numbers are all there
+                    where = f"{store} (its row {row['kind']} {row['model']} T={row['seq']})"
+                    if not check(row, _MEASURED, where, fix)["seconds"]:
+                        raise InputError(f"{where} is damaged: seconds is empty; {fix}")
+        if result.get("benchmark") != "context" or result.get("shapes") != {"preset": preset, "batch": batch}:
             raise InputError(
                 f"{store} holds another study ({result.get('benchmark')}, {result.get('shapes')}), not the context "
                 f"benchmark of preset {preset} at batch {batch}: choose another --json path to start this one"

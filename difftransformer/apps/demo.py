@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -15,7 +16,7 @@ import torch
 
 from difftransformer.core.model import TransformerLM
 from difftransformer.errors import InputError, Interrupted
-from difftransformer.fsutil import shell
+from difftransformer.fsutil import shell, write_json, write_text_atomic
 from difftransformer.inference.generate import generate
 from difftransformer.progress import Progress
 from difftransformer.store import corpus
@@ -229,7 +230,16 @@ def run_demo(
         "map": props,
         "samples": samples,
     }
-    write_report(run_dir, rows, summary)
+    try:  # report.md comes last: until it is there, the demo is one a resume finishes (its models are all saved)
+        write_report(run_dir, rows, summary)
+    except OSError as err:  # a full disk
+        raise OSError(err.errno, f"{err.strerror or err}; the models are trained and saved: once that is fixed, "
+                                 f"{resume_command(run_dir)} writes the report") from err  # fmt: skip
+    except KeyboardInterrupt as err:  # Ctrl-C, SIGTERM, SIGHUP
+        signum = getattr(err, "signum", int(signal.SIGINT))
+        stopped = f"stopped by {StopSignals.name(signum)} while writing the report of {run_dir}"
+        saved = f"the models are trained and saved: {resume_command(run_dir)} writes it"
+        raise Interrupted(signum, f"{stopped}; {saved}") from None
     final = {k: summary["final"][k]["val_loss"] for k in KINDS}
     base = final["standard"]
     gaps = ", ".join(f"{NAMES[k]} - standard {final[k] - base:+.4f} ({(final[k] - base) / base:+.1%})"
@@ -297,14 +307,12 @@ def _table_row(progress: Progress, step: int, rows: dict[str, list[dict]]) -> No
 def _stopped(trainers: dict[str, Trainer], run_dir: Path, err: BaseException) -> Interrupted:
     """After SIGINT or SIGTERM: a checkpoint of each model at its step (the one that was training wrote its own),
     their directories released, and the command that resumes the demo."""
-    import signal
-
     for trainer in trainers.values():
         if trainer.step_idx > 0 and trainer.saved_step != trainer.step_idx:
             trainer.save()
         trainer.close()
     at = ", ".join(f"{NAMES[k]} at step {t.step_idx}" for k, t in trainers.items())
-    signum = err.signum if isinstance(err, Interrupted) else int(signal.SIGINT)
+    signum = getattr(err, "signum", int(signal.SIGINT))  # Interrupted, Stopped (SIGTERM, SIGHUP) or Ctrl-C
     return Interrupted(signum, f"stopped by {StopSignals.name(signum)}: the demo in {run_dir} is saved ({at}); "
                                f"resume it with: {resume_command(run_dir)}")  # fmt: skip
 
@@ -459,7 +467,7 @@ def write_report(run_dir: Path, rows: dict[str, list[dict]], summary: dict) -> N
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     finish(fig, run_dir / "lambda.png", "DIFF (V1 as published): lambda of each layer during training", dpi=120)
 
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    write_json(run_dir / "summary.json", summary, indent=2)
     f, p = summary["final"], summary["parameters"]
     gains = summary["head_norm_gains"]["diff-matched"]
     lines = [
@@ -502,4 +510,4 @@ def write_report(run_dir: Path, rows: dict[str, list[dict]], summary: dict) -> N
     ]
     for kind in KINDS:
         lines += [f"**{NAMES[kind]}**", ""] + [f"    {s}" for s in summary["samples"][kind]] + [""]
-    (run_dir / "report.md").write_text("\n".join(lines))
+    write_text_atomic(run_dir / "report.md", "\n".join(lines))  # last: a demo with its report.md is finished

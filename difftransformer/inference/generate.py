@@ -61,7 +61,8 @@ def sample_next(
     """One token id per row of ``logits`` (B, V): argmax when temperature is 0."""
     if temperature == 0:
         return logits.argmax(-1)
-    logits = logits.float() / temperature
+    logits = logits.float()
+    logits = (logits - logits.amax(-1, keepdim=True)) / temperature  # the same softmax; no overflow at any temperature
     if top_k is not None:
         kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -169,6 +169,7 @@ def hf_to_run(hf_dir: str | Path, out_dir: str | Path, attention: str | None = N
     stored: dict[str, tuple[str, tuple[int, ...]]] = {}
     for file in sorted(hf_dir.glob("*.safetensors")):  # checked before transformers reads them
         stored.update(check_header(file, "save the model again (save_pretrained) or copy the directory again"))
+    _check_config_against_weights(hf_config, stored, hf_dir)
     try:  # never the directory's own code (an auto_map in its config): only the architectures above
         hf_model = AutoModelForCausalLM.from_pretrained(
             hf_dir, local_files_only=True, use_safetensors=True, trust_remote_code=False
@@ -183,6 +184,32 @@ def hf_to_run(hf_dir: str | Path, out_dir: str | Path, attention: str | None = N
         model = diff_from_standard(reference)
         calibrate_subln(model, reference, _calibration_tokens(tokenizer, model.config.max_seq_len))
     return save_run(model, tokenizer, out_dir, {"source": str(hf_dir.resolve())})
+
+
+def _check_config_against_weights(hf_config: dict, stored: dict, hf_dir: Path) -> None:
+    """config.json's sizes (layers, width, vocabulary, MLP width) against the weights' headers, before transformers
+    builds the model that config.json describes: a config saying 60000 layers over the weights of 6 had it build for
+    minutes before anything was compared."""
+    fix = "config.json is not the one these weights were saved with: put the right one back"
+    sizes = {}
+    for key in ("num_hidden_layers", "hidden_size", "vocab_size", "intermediate_size"):
+        value = hf_config.get(key)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise InputError(f"{hf_dir / 'config.json'}: {key} must be a positive integer, got {value!r}")
+        sizes[key] = value
+    parts = [name.split(".") for name in stored if name.startswith("model.layers.")]
+    layers = {int(p[2]) for p in parts if p[2].isdigit()}
+    if layers != set(range(sizes["num_hidden_layers"])):
+        held = f"layers 0 to {max(layers)}" if layers and layers == set(range(len(layers))) else f"{len(layers)} layers"
+        said = sizes["num_hidden_layers"]
+        raise InputError(f"{hf_dir}: config.json says {said} layers, the weights hold {held}; {fix}")
+    expected = {
+        "model.embed_tokens.weight": (sizes["vocab_size"], sizes["hidden_size"]),
+        "model.layers.0.mlp.gate_proj.weight": (sizes["intermediate_size"], sizes["hidden_size"]),
+    }
+    for name, shape in expected.items():
+        if name in stored and stored[name][1] != shape:
+            raise InputError(f"{hf_dir}: {name} has shape {stored[name][1]}, config.json implies {shape}; {fix}")
 
 
 def _check_loaded(hf_model, stored: dict, hf_dir: Path) -> None:

@@ -264,7 +264,7 @@ def from_hf(hf_model: PreTrainedModel) -> TransformerLM:
         rope_scaling=scaling,
         norm_eps=hc.rms_norm_eps,
         attention="diff" if diff else "standard",
-        tie_embeddings=bool(getattr(hc, "tie_word_embeddings", False)),
+        tie_embeddings=_tied(hf_model),
         init_std=getattr(hc, "initializer_range", 0.02),
     )
     src = {k: v.detach() for k, v in hf_model.state_dict().items()}
@@ -288,6 +288,16 @@ def from_hf(hf_model: PreTrainedModel) -> TransformerLM:
     with own_layout():  # DiffLlama's head pairing is known (module docstring)
         model.load_state_dict(sd, strict=True)
     return model.eval()
+
+
+def _tied(hf_model: PreTrainedModel) -> bool:
+    """Whether the model's output head is its embedding, as the loaded model computes: ``tie_word_embeddings`` in
+    its config, and one weight for both. A file with a head of its own under a tied config is kept apart by some
+    transformers versions (whose logits then use that head) and tied by others: the loaded model says which."""
+    if not getattr(hf_model.config, "tie_word_embeddings", False):
+        return False
+    head, embed = hf_model.get_output_embeddings().weight, hf_model.get_input_embeddings().weight
+    return head is embed or head.data_ptr() == embed.data_ptr() or torch.equal(head, embed)
 
 
 def diff_from_standard(base: TransformerLM, lambda_start: float = -1.0) -> TransformerLM:

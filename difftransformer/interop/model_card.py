@@ -9,16 +9,30 @@ sources by their file names.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 
 from difftransformer.core.model import TransformerLM
 from difftransformer.fsutil import read_json_object, shell
-from difftransformer.store.runs import METRICS, TRAIN_CONFIG
+from difftransformer.schema import ANY, NUMBER, check
+from difftransformer.store.data import read_manifest
+from difftransformer.store.runs import TRAIN_CONFIG, read_metrics
 
 CARD = "README.md"
+# what the card reads of train_config.json (schema.py's notation; TrainConfig checks the whole file where a run
+# resumes, and the export does not import the training code)
+RECIPE = {
+    "data": str,
+    "batch_size": int,
+    "seq_len": (int, None),
+    "lr": NUMBER,
+    "betas": [NUMBER],
+    "weight_decay": NUMBER,
+    "warmup_steps": (int, None),
+    "seed": int,
+    "*": ANY,
+}
 PAPER = "https://arxiv.org/abs/2410.05258"
 CITATION = """@inproceedings{ye2025differential,
   title     = {Differential Transformer},
@@ -58,25 +72,19 @@ def training_record(run_dir: Path, step: int) -> dict:
     """
     if not (run_dir / TRAIN_CONFIG).is_file():
         return {}
-    recipe = read_json_object(run_dir / TRAIN_CONFIG)
+    path = run_dir / TRAIN_CONFIG
+    recipe = check(read_json_object(path), RECIPE, str(path), "copy the run's train_config.json back")
     record = {"recipe": recipe, "step": step}
-    if isinstance(recipe.get("batch_size"), int) and isinstance(recipe.get("seq_len"), int):
+    if isinstance(recipe.get("seq_len"), int):
         record["tokens"] = step * recipe["batch_size"] * recipe["seq_len"]
-    metrics = run_dir / METRICS
-    lines = metrics.read_text(errors="replace").splitlines() if metrics.is_file() else []
-    for line in lines:
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(row, dict) and "val_loss" in row and isinstance(row.get("step"), int) and row["step"] <= step:
+    for row in read_metrics(run_dir)[0]:  # every row checked; a line cut short by a kill is not a row
+        if "val_loss" in row and "val_bpb" in row and row["step"] <= step:
             record["validation"] = {"step": row["step"], "loss": row["val_loss"], "bpb": row["val_bpb"]}
     data = Path(str(recipe.get("data") or ""))
-    manifest = data / "manifest.json"
     record["data"] = {"name": data.name or "unknown"}
-    if manifest.is_file():
-        found = read_json_object(manifest)
-        sources = [Path(s).name if "/" in s else s for s in found.get("sources") or [] if isinstance(s, str)]
+    if (data / "manifest.json").is_file():
+        found = read_manifest(data)
+        sources = [Path(s).name if "/" in s else s for s in found.get("sources") or []]
         record["data"].update(sources=sources, tokens=found.get("tokens"))
     return record
 

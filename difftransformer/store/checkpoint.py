@@ -33,6 +33,8 @@ from safetensors.torch import save_file
 
 from difftransformer.errors import InputError
 from difftransformer.fsutil import io_errno, shell
+from difftransformer.paths import read_bytes
+from difftransformer.schema import ANY, NUMBER, check
 from difftransformer.store.shards import CHUNKS_KEY, PieceReader, piece_file_name, piece_files, piece_metadata
 from difftransformer.store.weights_file import check_header
 
@@ -41,6 +43,40 @@ PREFIX = "step_"
 TMP, OLD = ".tmp-", ".old-"
 STATE_KEYS = ("step", "optimizer")
 MODEL_FILE, OPTIMIZER_FILE, STATE_FILE = "model.safetensors", "optimizer.safetensors", "state.json"
+
+# state.json (its sha256 aside), as the trainer, save_run and the quantizer write it (schema.py's notation); open to
+# other keys, which nothing reads: save_checkpoint and save_run record what else their caller's meta holds
+_PARAM_GROUP = {  # AdamW's settings as PyTorch writes them (a resume takes them from the recipe); other versions' too
+    "params": [str],
+    **{f"{k}?": NUMBER for k in ("lr", "eps", "weight_decay")},
+    "betas?": [NUMBER],
+    **{f"{k}?": bool for k in ("amsgrad", "maximize", "capturable", "differentiable", "decoupled_weight_decay")},
+    **{f"{k}?": (bool, None) for k in ("foreach", "fused")},
+    "*": ANY,
+}
+STATE_SCHEMA = {
+    "step": int,
+    "optimizer": {"param_groups": [_PARAM_GROUP], "scalars": {"*": ANY}},
+    "files?": {"*": str},
+    "data_position?": int,
+    "rng_torch?": [int],
+    "nonfinite_in_a_row?": int,
+    "health?": {"probe_loss": NUMBER, "calm": bool},
+    "probe_best?": NUMBER,
+    "loss_watch?": {"smoothed": (NUMBER, None), "lowest": (NUMBER, None), "lowest_step": (int, None), "spiking": bool},
+    "model_config?": {"*": ANY},
+    "train_config?": {"*": ANY},
+    "tokenizer?": str,
+    "data?": {"path": str, "id": str},
+    "val_loss?": NUMBER,
+    "sharded?": {"processes": int},
+    "source?": str,  # convert --from-hf
+    "experiment?": str,  # repro's models
+    "seed?": int,
+    "spec?": {"*": ANY},
+    "quantization?": {"*": ANY},  # difftx quantize
+    "*": ANY,
+}
 
 
 def _fsync_dir(path: Path) -> None:
@@ -152,6 +188,12 @@ def publish_checkpoint(
         _fsync_dir(tmp)
     except BaseException as err:
         _raise_write_failed(run_dir, step, tmp, err)
+    if (final.exists() or final.is_symlink()) and (final.is_symlink() or not final.is_dir()):
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise InputError(
+            f"{final} is not a checkpoint directory (a file or a link put there): it is left as it is and checkpoint "
+            f"{final.name} was not written; move it out of {root}, then resume (the newest checkpoint is intact)"
+        )
     if final.exists():  # the same step written again after a resume: swap, never leave a gap
         old = root / f"{OLD}{final.name}-{os.getpid()}"
         final.rename(old)
@@ -209,7 +251,7 @@ def _stale(checkpoints: list[Path], keep_last: int, keep_best: bool = False) -> 
 def _recorded(checkpoint: Path) -> dict:
     """A checkpoint's state.json as written, unchecked (empty when unreadable): for what pruning reads."""
     try:
-        state = json.loads((checkpoint / STATE_FILE).read_bytes())
+        state = json.loads(read_bytes(checkpoint / STATE_FILE))
     except (OSError, ValueError):
         return {}
     return state if isinstance(state, dict) else {}
@@ -250,18 +292,34 @@ def clean_stale(run_dir: str | Path) -> list[str]:
     if not root.is_dir():
         return done
     for entry in sorted(root.iterdir()):
+        if not entry.is_dir() or entry.is_symlink():  # the trainer writes folders only: a file is someone else's
+            continue
         if entry.name.startswith(TMP):
-            shutil.rmtree(entry, ignore_errors=True)
+            shutil.rmtree(entry)
             done.append(f"removed {entry} (an interrupted checkpoint write)")
         elif entry.name.startswith(OLD):
             final = root / entry.name[len(OLD) :].rsplit("-", 1)[0]
             if final.exists():
-                shutil.rmtree(entry, ignore_errors=True)
+                shutil.rmtree(entry)
                 done.append(f"removed {entry} (the replaced copy of {final.name})")
             else:
                 entry.rename(final)
                 done.append(f"restored {final} from {entry.name} (an interrupted swap)")
     return done
+
+
+def refuse_foreign_checkpoints(run_dir: str | Path) -> None:
+    """Refuse a run whose checkpoints folder holds a file (or a link) under a checkpoint's name: training writes
+    checkpoints as folders and would stop at that step, so it is named before anything is trained."""
+    root = Path(run_dir) / CKPT_DIR
+    if not root.is_dir():
+        return
+    for entry in sorted(root.iterdir()):
+        if _STEP.fullmatch(entry.name) and (entry.is_symlink() or not entry.is_dir()):
+            raise InputError(
+                f"{entry} is not a checkpoint (a file or a link, where training writes a folder): move it out of "
+                f"{root}, then run the command again"
+            )
 
 
 def _save_tensors(tensors: dict[str, torch.Tensor], path: Path, extra: dict[str, str] | None = None) -> str:
@@ -317,7 +375,7 @@ def _load_tensors(file: Path, expected: str | None = None) -> dict[str, torch.Te
     one (``expected``), against that: a file copied in from another checkpoint matches its own digest only."""
     if not file.is_file():
         raise FileNotFoundError(f"checkpoint {file.parent} is incomplete: {file.name} is missing")
-    check_header(file, _earlier(file.parent))
+    check_header(file, use_earlier(file.parent))
     try:
         with safe_open(file, "pt") as f:
             metadata = f.metadata() or {}
@@ -325,18 +383,19 @@ def _load_tensors(file: Path, expected: str | None = None) -> dict[str, torch.Te
             # keep-last deletes it) for as long as the optimizer holds them
             tensors = {name: f.get_tensor(name).clone() for name in f.keys()}
     except Exception as err:  # safetensors parses untrusted bytes: any failure means a damaged file
-        raise InputError(f"{file} is corrupt or truncated ({err}); {_earlier(file.parent)}") from None
+        raise InputError(f"{file} is corrupt or truncated ({err}); {use_earlier(file.parent)}") from None
     if "sha256" in metadata and metadata["sha256"] != tensors_digest(tensors):
-        raise InputError(f"{file} does not match its checksum: the file is damaged; {_earlier(file.parent)}")
+        raise InputError(f"{file} does not match its checksum: the file is damaged; {use_earlier(file.parent)}")
     if expected is not None and metadata.get("sha256") != expected:
         raise InputError(
             f"{file} is not the file {file.parent / STATE_FILE} was written with (their digests differ): it was "
-            f"replaced, e.g. by one from another checkpoint; {_earlier(file.parent)}"
+            f"replaced, e.g. by one from another checkpoint; {use_earlier(file.parent)}"
         )
     return tensors
 
 
-def _earlier(checkpoint: Path) -> str:
+def use_earlier(checkpoint: Path) -> str:
+    """The advice after naming a damaged checkpoint: move it aside, so that the one before it is used."""
     aside = checkpoint.parent / f"damaged-{checkpoint.name}"
     return f"move the checkpoint away (mv {shell(checkpoint)} {shell(aside)}) to use the one before it"
 
@@ -353,7 +412,7 @@ def _verify(meta: dict) -> Callable[[Path], None]:
     def check(file: Path) -> None:
         if file.name not in recorded:
             raise InputError(f"{file} is not one of the files {file.parent / STATE_FILE} was written with; "
-                             f"{_earlier(file.parent)}")  # fmt: skip
+                             f"{use_earlier(file.parent)}")  # fmt: skip
         _load_tensors(file, recorded[file.name])
 
     return check
@@ -373,9 +432,9 @@ def pieces(path: str | Path, kind: str, meta: dict) -> PieceReader:
     try:
         return PieceReader(files, _verify(meta))
     except InputError as err:
-        raise InputError(f"{err}; {_earlier(path)}") from None
+        raise InputError(f"{err}; {use_earlier(path)}") from None
     except Exception as err:  # safetensors parses untrusted bytes: any failure means a damaged file
-        raise InputError(f"a {kind} file of {path} is corrupt or truncated ({err}); {_earlier(path)}") from None
+        raise InputError(f"a {kind} file of {path} is corrupt or truncated ({err}); {use_earlier(path)}") from None
 
 
 def _whole(path: Path, kind: str, meta: dict) -> dict[str, torch.Tensor]:
@@ -411,7 +470,7 @@ def load_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict, di
     except (KeyError, TypeError, AttributeError, ValueError) as err:
         if isinstance(err, InputError):
             raise
-        raise InputError(f"{path / STATE_FILE} holds no valid optimizer state ({err!r}); {_earlier(path)}") from None
+        raise InputError(f"{path / STATE_FILE} holds no valid optimizer state ({err!r}); {use_earlier(path)}") from None
     return model, optim, meta
 
 
@@ -419,16 +478,14 @@ def read_state(path: Path) -> dict:
     """The state.json of one checkpoint directory, checked against its digest."""
     state = path / STATE_FILE
     try:
-        meta = json.loads(state.read_bytes().decode("utf-8"))
+        meta = json.loads(read_bytes(state).decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
-        raise InputError(f"{state} is corrupt ({err}); {_earlier(path)}") from None
+        raise InputError(f"{state} is corrupt ({err}); {use_earlier(path)}") from None
     if not isinstance(meta, dict) or any(key not in meta for key in STATE_KEYS):
-        raise InputError(f"{state} is not a checkpoint's state (it lacks {', '.join(STATE_KEYS)}); {_earlier(path)}")
+        raise InputError(f"{state} is not a checkpoint's state (it lacks {', '.join(STATE_KEYS)}); {use_earlier(path)}")
     digest = meta.pop("sha256", None)
     if digest is None and "files" in meta:  # written with a digest (as every state with a files entry is) that is gone
-        raise InputError(f"{state} has lost its checksum field: the file is damaged; {_earlier(path)}")
-    if digest is not None and digest != _json_digest(meta):
-        raise InputError(f"{state} does not match its checksum: the file is damaged; {_earlier(path)}")
-    if not isinstance(meta.get("files", {}), dict):
-        raise InputError(f"{state} is damaged: its files entry is not an object; {_earlier(path)}")
-    return meta
+        raise InputError(f"{state} has lost its checksum field: the file is damaged; {use_earlier(path)}")
+    if digest is not None and (not isinstance(digest, str) or digest != _json_digest(meta)):
+        raise InputError(f"{state} does not match its checksum: the file is damaged; {use_earlier(path)}")
+    return check(meta, STATE_SCHEMA, str(state), use_earlier(path))

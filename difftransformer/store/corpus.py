@@ -22,6 +22,7 @@ import io
 import json
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import sysconfig
@@ -33,20 +34,20 @@ from pathlib import Path
 
 from difftransformer.errors import Fields, InputError
 from difftransformer.fsutil import check_new_dir, parse_json_object, read_text, write_new_dir
+from difftransformer.paths import check_input, refuse_special
 
 TEXT_SUFFIXES = (".txt", ".md")
 JSONL_SUFFIX = ".jsonl"
 
 
 def find_files(inputs: list[str | Path]) -> list[Path]:
-    """The text files named by ``inputs`` (files or directories), in a stable order."""
+    """The text files named by ``inputs`` (files or folders of them, checked by paths.check_input), in a stable
+    order."""
     files: list[Path] = []
     for item in inputs:
-        path = Path(item)
-        if not path.exists():
-            raise FileNotFoundError(f"input {path} does not exist")
+        path = check_input(item, "input")
         if path.is_dir():
-            found = sorted(p for p in _walk(path) if _kind(p) is not None)
+            found = sorted(_walk(path))
             if not found:
                 raise InputError(f"directory {path} holds no .txt, .md or .jsonl files")
             files.extend(found)
@@ -58,8 +59,9 @@ def find_files(inputs: list[str | Path]) -> list[Path]:
 
 
 def _walk(root: Path) -> Iterator[Path]:
-    """Every file under ``root``, linked folders followed as linked files are (each real folder once: a link back up
-    the tree is not a loop)."""
+    """Every text file under ``root``, linked folders followed as linked files are (each real folder once: a link back
+    up the tree is not a loop). A FIFO, device or socket with a text file's name is refused by name (it would block
+    or never end); other names are not read, so not looked at."""
     seen = set()
     for folder, dirs, files in os.walk(root, followlinks=True):
         real = os.path.realpath(folder)
@@ -67,7 +69,17 @@ def _walk(root: Path) -> Iterator[Path]:
             dirs[:] = []
             continue
         seen.add(real)
-        yield from (Path(folder) / name for name in files if (Path(folder) / name).is_file())
+        for name in files:
+            path = Path(folder) / name
+            if _kind(path) is None:
+                continue
+            try:
+                mode = os.stat(path).st_mode
+            except FileNotFoundError:  # a dangling link: nothing to read
+                continue
+            refuse_special(path, mode, "input")
+            if stat.S_ISREG(mode):
+                yield path
 
 
 def _kind(path: Path) -> str | None:

@@ -28,12 +28,28 @@ import torch
 
 from difftransformer.errors import ConfigError, Fields, InputError
 from difftransformer.fsutil import read_json_object, write_new_dir, write_text_atomic
+from difftransformer.schema import check
 from difftransformer.store.tokenizer import Tokenizer, load_tokenizer
 
 MANIFEST = "manifest.json"
 VERIFIED = ".verified.json"  # shards whose checksum matched, keyed by name, size and modification time
 FORMAT_VERSION = 1
 SPLITS = ("chunks", "documents")
+_SPLIT = {"tokens": int, "bytes": int, "shards": [{"file": str, "tokens": int, "sha256": str}]}
+MANIFEST_SCHEMA = {  # schema.py's notation; the fields read are required, the others may be missing (older versions)
+    "format": int,
+    "tokenizer": {"kind": str, "vocab_size": int, "fingerprint": str},
+    "dtype": ("uint16", "uint32"),
+    "documents?": int,
+    "tokens?": int,
+    "chunk_tokens?": (int, None),
+    "val_every?": int,
+    "splits": {"train": _SPLIT, "val": _SPLIT},
+    "sources?": [str],
+    "created?": str,
+    "split?": SPLITS,
+    "documents_per_split?": {"train": int, "val": int},
+}
 
 
 def _dtype_for(vocab_size: int) -> np.dtype:
@@ -82,6 +98,12 @@ def prepare(
         >>> manifest["splits"]["train"]["tokens"], manifest["splits"]["val"]["tokens"]  # 18 and 2 documents of 2101
         (37818, 4202)
     """
+    if tokenizer.eot_id is None:  # an IdTokenizer: a synthetic task's model reads ids, not text
+        raise InputError(
+            f"the tokenizer {tokenizer.fingerprint()} reads token ids (a synthetic task's model), not text, and has no "
+            "end-of-text token to separate documents: prepare text with 'byte', a tokenizer.json, or a directory "
+            "made by 'difftx tokenizer train'"
+        )
     check = Fields.of("prepare", val_every=val_every, shard_tokens=shard_tokens, split=split)
     check.integer("val_every", 2, 1 << 20)
     check.integer("shard_tokens", 1)
@@ -230,26 +252,14 @@ def read_manifest(data_dir: str | Path) -> dict:
     if not path.is_file():
         raise FileNotFoundError(f"{data_dir} has no {MANIFEST}: it was not made by 'difftx data prepare'")
     manifest = read_json_object(path)
-    if manifest.get("format") != FORMAT_VERSION:
-        raise InputError(f"{path} has format {manifest.get('format')!r}; this version reads {FORMAT_VERSION}")
-    try:
-        for split in ("train", "val"):
-            info = manifest["splits"][split]
-            if not isinstance(info["bytes"], int):
-                raise TypeError("bytes")
-            for shard in info["shards"]:
-                name, tokens, digest = shard["file"], shard["tokens"], shard["sha256"]
-                if not (isinstance(name, str) and Path(name).name == name and isinstance(digest, str)):
-                    raise TypeError(f"shard {name!r}")
-                if not isinstance(tokens, int) or tokens < 0:
-                    raise TypeError(f"tokens of {name!r}")
-        if manifest["dtype"] not in ("uint16", "uint32"):
-            raise TypeError("dtype")
-        tok = manifest["tokenizer"]
-        if not (isinstance(tok["fingerprint"], str) and isinstance(tok["vocab_size"], int)):
-            raise TypeError("tokenizer")
-    except (KeyError, TypeError) as err:
-        raise InputError(f"{path} is damaged ({err} is missing or wrong); prepare the data again") from None
+    version = manifest.get("format")
+    if not isinstance(version, int) or isinstance(version, bool) or version != FORMAT_VERSION:
+        raise InputError(f"{path} has format {version!r}; this version reads {FORMAT_VERSION}")
+    check(manifest, MANIFEST_SCHEMA, str(path), "prepare the data again")
+    for split in ("train", "val"):
+        for shard in manifest["splits"][split]["shards"]:
+            if Path(shard["file"]).name != shard["file"] or shard["tokens"] < 0:
+                raise InputError(f"{path} is damaged: shard {shard['file']!r} of {split}; prepare the data again")
     return manifest
 
 

@@ -22,7 +22,8 @@ from difftransformer.core.config import ModelConfig
 from difftransformer.core.model import TransformerLM
 from difftransformer.core.quantized import SCHEMES, quantized_shell
 from difftransformer.errors import InputError
-from difftransformer.fsutil import read_json_object, write_new_dir
+from difftransformer.fsutil import read_json_object, read_text, write_new_dir
+from difftransformer.schema import NUMBER, check
 from difftransformer.store.checkpoint import (
     CKPT_DIR,
     MODEL_FILE,
@@ -40,6 +41,34 @@ TRAIN_CONFIG = "train_config.json"
 METRICS = "metrics.jsonl"
 LOCK = ".lock"
 QUANTIZATION = "quantization.json"
+
+# a row of metrics.jsonl (schema.py's notation): what the trainer logs at a step
+METRIC_ROW = {
+    "step": int,
+    "loss": NUMBER,
+    "lr": NUMBER,
+    "grad_norm": NUMBER,
+    "tokens": int,
+    "tokens_per_s": NUMBER,
+    "lambda?": [NUMBER],
+    "val_loss?": NUMBER,
+    "val_bpb?": NUMBER,
+    "skipped?": str,
+    "spike?": bool,
+}
+METRICS_LIMIT = 1 << 30  # 1 GiB: millions of rows
+QUANTIZATION_SCHEMA = {
+    "scheme": str,
+    "weight_bits": int,
+    "source": str,
+    "source_step": int,
+    "layers": [str],
+    "calibrator?": str,
+    "calibration_data?": str,
+    "calibration_split?": str,
+    "calibration_windows?": int,
+    "calibration_tokens?": int,
+}
 
 
 class RunLock:
@@ -67,6 +96,8 @@ class RunLock:
 
 def writer_of(run_dir: Path) -> str | None:
     """The pid a run's lock names while another process holds it (a trainer writing the run), else None."""
+    if not run_dir.is_dir():
+        return None
     lock = _open_lock(run_dir / LOCK, create=False)
     if lock is None:
         return None
@@ -79,6 +110,28 @@ def writer_of(run_dir: Path) -> str | None:
 
 def being_written(run_dir: Path, pid: str) -> str:
     return f"run {run_dir} is being written by another process (pid {pid}); wait for it to finish or stop it"
+
+
+def read_metrics(run_dir: Path) -> tuple[list[dict], list[int]]:
+    """(the rows of a run's metrics.jsonl, each checked against METRIC_ROW; the numbers of the lines that are not
+    JSON objects: a row being written when its process was killed). A row that is JSON but breaks the schema (a file
+    edited by hand) is an InputError naming the line and the field. No file: no rows."""
+    path = Path(run_dir) / METRICS
+    if not path.exists():
+        return [], []
+    rows, torn = [], []
+    for number, line in enumerate(read_text(path, METRICS_LIMIT).split("\n"), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except (json.JSONDecodeError, RecursionError):
+            row = None
+        if not isinstance(row, dict):
+            torn.append(number)
+            continue
+        rows.append(check(row, METRIC_ROW, f"{path}:{number}", "correct the line or delete it"))
+    return rows, torn
 
 
 def _open_lock(path: Path, create: bool):
@@ -199,9 +252,10 @@ def check_recorded(checkpoint: Path, meta: dict, config: ModelConfig, tokenizer:
 
 
 def check_weights(model: torch.nn.Module, tensors: dict[str, torch.Tensor], source: str, config: str) -> None:
-    """Refuse weights whose names or shapes differ from the model's, naming the first difference."""
-    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    for name, shape in expected.items():
+    """Refuse weights whose names, shapes or dtypes differ from the model's, naming the first difference (a tensor of
+    another dtype would be cast, or truncated, without a word)."""
+    expected = {k: (tuple(v.shape), v.dtype) for k, v in model.state_dict().items()}
+    for name, (shape, dtype) in expected.items():
         if name not in tensors:
             raise InputError(f"{source} does not match {config}: it has no {name}")
         if tuple(tensors[name].shape) != shape:
@@ -209,9 +263,38 @@ def check_weights(model: torch.nn.Module, tensors: dict[str, torch.Tensor], sour
                 f"{source} does not match {config}: {name} has shape {tuple(tensors[name].shape)}, the config needs "
                 f"{shape}"
             )
+        if tensors[name].dtype != dtype:
+            raise InputError(
+                f"{source} does not match {config}: {name} is stored as {tensors[name].dtype}, the model holds "
+                f"{dtype} (the file was written by another tool or edited)"
+            )
     extra = sorted(set(tensors) - set(expected))
     if extra:
         raise InputError(f"{source} does not match {config}: unexpected {extra[0]}")
+
+
+def check_optimizer_state(model: torch.nn.Module, optim_state: dict, source: str, groups: int) -> None:
+    """Refuse an optimizer state of another number of parameter groups than the run's optimizer has (``groups``), or
+    with tensors (AdamW's moments and step, keyed by parameter name) whose parameter, shape or dtype is not the
+    model's: a moment cast or broadcast without a word would change every later step."""
+    if len(optim_state["param_groups"]) != groups:
+        raise InputError(
+            f"{source} holds {len(optim_state['param_groups'])} parameter groups, the run's optimizer has {groups}: "
+            "it was written by another tool or edited"
+        )
+    params = dict(model.named_parameters())
+    for name, state in optim_state["state"].items():
+        if name not in params:
+            raise InputError(f"{source} holds optimizer state for {name}, which is not a parameter of the model")
+        for key, value in state.items():
+            if not isinstance(value, torch.Tensor):
+                continue
+            shape, dtype = ((), torch.float32) if key == "step" else (tuple(params[name].shape), params[name].dtype)
+            if tuple(value.shape) != shape or value.dtype != dtype:
+                raise InputError(
+                    f"{source} does not match the model: the optimizer's {name}/{key} is {value.dtype} of shape "
+                    f"{tuple(value.shape)}, the model needs {dtype} of shape {shape}"
+                )
 
 
 def save_run(model: TransformerLM, tokenizer: Tokenizer, out_dir: str | Path, meta: dict, step: int = 0) -> Path:
@@ -358,9 +441,9 @@ def read_quantization(run: Path) -> dict | None:
     path = run / QUANTIZATION
     if not path.is_file():
         return None
-    spec = read_json_object(path)
-    if spec.get("scheme") not in SCHEMES:
-        raise InputError(f"{path} names an unknown scheme {spec.get('scheme')!r}; it must be one of {list(SCHEMES)}")
+    spec = check(read_json_object(path), QUANTIZATION_SCHEMA, str(path), "quantize its float run again")
+    if spec["scheme"] not in SCHEMES:
+        raise InputError(f"{path} names an unknown scheme {spec['scheme']!r}; it must be one of {list(SCHEMES)}")
     return spec
 
 

@@ -24,6 +24,8 @@ import numpy as np
 
 from difftransformer.errors import Fields, InputError
 from difftransformer.fsutil import read_json_object, write_new_dir
+from difftransformer.paths import read_bytes
+from difftransformer.schema import check
 
 if TYPE_CHECKING:
     import tokenizers
@@ -263,10 +265,11 @@ def read_tokenizer_file(path: str | Path):
     from tokenizers import Tokenizer
 
     path = Path(path)
-    if not path.is_file():
+    if not path.exists():
         raise FileNotFoundError(f"tokenizer file {path} does not exist")
+    text = read_bytes(path, what="tokenizer file").decode("utf-8", "replace")
     try:
-        return Tokenizer.from_file(str(path))
+        return Tokenizer.from_str(text)
     except Exception as err:  # tokenizers raises its own exception type
         raise InputError(f"{path} is not a valid tokenizer.json: {err}") from None
 
@@ -304,6 +307,21 @@ def get_tokenizer(name: str) -> Tokenizer:
     )
 
 
+SPEC_SCHEMAS = {  # tokenizer_spec.json by kind (schema.py's notation), as save() writes it
+    "byte": {"kind": "byte", "vocab_size?": 257},
+    "ids": {"kind": "ids", "vocab_size": int},
+    "hf": {
+        "kind": "hf",
+        "vocab_size?": int,
+        "file?": str,
+        "eot?": str,
+        "stop?": [str],
+        "bos?": (str, None),
+        "fingerprint?": str,
+    },
+}
+
+
 def load_tokenizer(directory: str | Path) -> Tokenizer:
     """The tokenizer saved in a data, tokenizer or run directory."""
     directory = Path(directory)
@@ -313,6 +331,9 @@ def load_tokenizer(directory: str | Path) -> Tokenizer:
             return HFTokenizer.from_file(directory / HF_FILE)
         raise FileNotFoundError(f"{directory} holds no tokenizer ({SPEC_FILE} or {HF_FILE} is missing)")
     spec = read_json_object(spec_path)
+    kind = spec.get("kind")
+    check(spec, SPEC_SCHEMAS.get(kind, {"kind": tuple(SPEC_SCHEMAS)}) if isinstance(kind, str) else {"kind": str},
+          str(spec_path), "copy the tokenizer's directory again")  # fmt: skip
     if spec.get("kind") == "byte":
         return ByteTokenizer()
     if spec.get("kind") == "ids":

@@ -9,10 +9,12 @@ dtype, shape and [begin, end) byte offsets in the data that follows, plus an opt
 from __future__ import annotations
 
 import json
+import os
 import struct
 from pathlib import Path
 
 from difftransformer.errors import InputError
+from difftransformer.paths import open_regular
 
 MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit
 ITEM_BYTES = {
@@ -45,8 +47,8 @@ def check_header(path: str | Path, fix: str = "") -> dict[str, tuple[str, tuple[
     def damaged(what: str) -> InputError:
         return InputError(f"{path} is damaged or not a safetensors file: {what}" + (f"; {fix}" if fix else ""))
 
-    size = path.stat().st_size
-    with open(path, "rb") as f:
+    with open_regular(path) as f:  # a FIFO named model.safetensors is refused, not waited on
+        size = os.fstat(f.fileno()).st_size
         start = f.read(8)
         if len(start) < 8:
             raise damaged(f"it has {size} bytes, fewer than a header's length")

@@ -38,10 +38,13 @@ RESUMABLE = (
 )
 
 
-def _help(text: str, default: str | None = None, choices: tuple[str, ...] | None = None) -> dict:
+def _help(
+    text: str, default: str | None = None, choices: tuple[str, ...] | None = None, path: str | None = None
+) -> dict:
     """A field's description for the CLI, which builds `difftx train`'s flags from the fields: the help text, the
-    default as it should read when the field's own default is None (computed later), and the allowed values."""
-    return {"help": text, "default": default, "choices": choices}
+    default as it should read when the field's own default is None (computed later), the allowed values, and for a
+    path whether it is read (``input``) or written (``output``): the CLI's path rule (difftransformer/paths.py)."""
+    return {"help": text, "default": default, "choices": choices, "path": path}
 
 
 @dataclass
@@ -61,9 +64,13 @@ class TrainConfig:
     """
 
     data: str = field(
-        metadata=_help("a directory made by `difftx data prepare`; when resuming, where the run's data lies now")
+        metadata=_help(
+            "a directory made by `difftx data prepare`; when resuming, where the run's data lies now", path="input"
+        )
     )
-    out: str = field(metadata=_help("the run directory (not saved in it: a run directory is wherever it is)"))
+    out: str = field(
+        metadata=_help("the run directory (not saved in it: a run directory is wherever it is)", path="output")
+    )
     preset: str | None = field(
         default="tiny",
         metadata=_help("model preset (see `difftx presets`)", choices=tuple(PRESETS)),
@@ -72,7 +79,9 @@ class TrainConfig:
     model: dict[str, Any] = field(default_factory=dict, metadata=_help('ModelConfig overrides, e.g. {"n_layers": 4}'))
     init_from: str | None = field(
         default=None,
-        metadata=_help("a run whose newest weights (and model config) start this run, e.g. a converted model"),
+        metadata=_help(
+            "a run whose newest weights (and model config) start this run, e.g. a converted model", path="input"
+        ),
     )
     seq_len: int | None = field(
         default=None, metadata=_help("tokens per training window", default="min(max_seq_len, 256)")
@@ -279,6 +288,7 @@ def resume_config(run_dir: str | Path, max_steps: int | None = None, **changes: 
     if not path.is_file():
         raise FileNotFoundError(f"{run_dir} is not a run directory ({TRAIN_CONFIG} is missing)")
     saved = _saved_fields(read_text(path), str(path))
+    _build(dict(saved), str(run_dir), str(path), changed=())  # the file as written, checked before any change
     if changes.pop("out", None) not in (None, str(run_dir)):
         raise ConfigError(
             "TrainConfig",

@@ -20,6 +20,7 @@ from typing import Any
 
 from difftransformer.errors import ConfigError, InputError
 from difftransformer.fsutil import parse_json_object, read_text
+from difftransformer.paths import special_kind
 from difftransformer.training.config import TrainConfig
 
 if sys.version_info >= (3, 11):
@@ -43,7 +44,8 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
             ".json"
         )
     if not path.is_file():
-        problem = "is a directory" if path.is_dir() else "does not exist"
+        kind = special_kind(path.stat().st_mode) if path.exists() else None
+        problem = "is a directory" if path.is_dir() else f"is {kind}" if kind else "does not exist"
         raise FileNotFoundError(
             f"`config` {path} {problem}; give a TOML, YAML or JSON file (difftx train --print-config writes one)"
         )

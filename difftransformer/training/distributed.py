@@ -235,9 +235,6 @@ def _filled(like: torch.Tensor, reader, name: str) -> torch.Tensor:
     return reader.read(name).to(like.device, like.dtype)
 
 
-IMPLEMENTATION = ("fused", "foreach", "capturable", "differentiable")  # how an optimizer steps, not what it does
-
-
 def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer, model_sd: dict, optim_sd: dict) -> None:
     inner = unwrap(model)
     options = StateDictOptions(full_state_dict=True, strict=True)
@@ -246,16 +243,16 @@ def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer, model_sd
 
 
 def _for_this_optimizer(optimizer: torch.optim.Optimizer, optim_sd: dict) -> dict:
-    """A saved optimizer state as this optimizer loads it: its param groups keep how this optimizer steps (fused or
-    foreach: chosen by device and version, not by the checkpoint, which may come from another machine, or from
-    before AdamW was fused here) and drop settings this PyTorch does not know (a newer one's, such as
-    ``decoupled_weight_decay``, which an older PyTorch refuses)."""
-    current = optimizer.param_groups[0]
-    groups = []
-    for saved in optim_sd["param_groups"]:
-        group = {k: v for k, v in saved.items() if k in current or k == "params"}
-        group.update({k: current[k] for k in IMPLEMENTATION if k in current})
-        groups.append(group)
+    """A saved optimizer state as this optimizer loads it: each param group takes every setting from this optimizer's
+    group of the same place, made from the run's recipe (which the checkpoint's record is checked against): how it
+    steps (fused or foreach: chosen by device and version, not by a checkpoint from another machine, or from before
+    AdamW was fused here) and what it does (betas, weight decay, amsgrad: never a value edited into state.json, or
+    a setting another PyTorch wrote that this one refuses). The saved groups give which parameters each holds, and
+    the state its moments and steps; the learning rate is set at every step."""
+    groups = [
+        {**{k: v for k, v in current.items() if k != "params"}, "params": saved["params"]}
+        for current, saved in zip(optimizer.param_groups, optim_sd["param_groups"], strict=True)
+    ]
     return {**optim_sd, "param_groups": groups}
 
 

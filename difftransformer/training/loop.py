@@ -34,6 +34,7 @@ from difftransformer.progress import Progress
 from difftransformer.store.checkpoint import (
     PREFIX,
     SHARDED_TAG,
+    STATE_FILE,
     checkpoint_tmp_dir,
     clean_stale,
     list_checkpoints,
@@ -45,7 +46,9 @@ from difftransformer.store.checkpoint import (
     pieces,
     publish_checkpoint,
     read_state,
+    refuse_foreign_checkpoints,
     save_checkpoint,
+    use_earlier,
     write_failed,
     write_pieces,
 )
@@ -57,9 +60,11 @@ from difftransformer.store.runs import (
     TRAIN_CONFIG,
     RunLock,
     being_written,
+    check_optimizer_state,
     check_recorded,
     check_weights,
     is_unstarted_run,
+    read_metrics,
     refuse_changed,
     refuse_links,
     refuse_quantized,
@@ -321,6 +326,7 @@ class Trainer:
         """Lock the run (none of whose entries may be a link), tidy what killed writes left, and find its data."""
         if self.world.is_main:
             refuse_links(self.run_dir)
+            refuse_foreign_checkpoints(self.run_dir)
             self.lock = RunLock(self.run_dir)
             for line in clean_stale(self.run_dir):
                 self._note(line)
@@ -386,6 +392,9 @@ class Trainer:
         check_recorded(newest, meta, self.model_config, self.tokenizer)
         self._check_recipe(newest, meta.get("train_config"))
         check_weights(unwrap(self.model), model_sd, str(newest), str(self.run_dir / MODEL_CONFIG))
+        if not is_sharded(self.model):
+            groups = len(self.optimizer.param_groups)
+            check_optimizer_state(unwrap(self.model), optim_sd, str(newest / STATE_FILE), groups)
         with own_layout():
             if is_sharded(self.model):
                 load_pieces(self.model, self.optimizer, model_pieces, optim_pieces, meta.pop("optimizer"))
@@ -410,7 +419,7 @@ class Trainer:
         self.watch = LossWatch(meta.get("loss_watch"))
         self.step_idx = self.saved_step = meta["step"]
         self.nonfinite_in_a_row = meta.get("nonfinite_in_a_row", 0)
-        torch.set_rng_state(torch.tensor(meta["rng_torch"], dtype=torch.uint8))
+        torch.set_rng_state(_rng_state(meta, newest))
         if self.step_idx > self.cfg.max_steps:
             raise ConfigError(
                 "TrainConfig",
@@ -425,18 +434,15 @@ class Trainer:
                 "again?); training goes on with it, so the run will differ from one that was never interrupted"
             )
         if self.world.is_main:  # drop metrics written after the checkpoint: they will be written again
-            metrics = self.run_dir / METRICS
-            rows = metrics.read_text(errors="replace").splitlines() if metrics.is_file() else []
-            steps = [(r, step_of(r)) for r in rows if r.strip()]
-            if any(step is None for _, step in steps):
-                self._note(f"{metrics} has lines that are not metrics rows; they are dropped")
-            kept = "".join(r + "\n" for r, step in steps if step is not None and step <= self.step_idx)
-            write_text_atomic(metrics, kept)
+            rows, torn = read_metrics(self.run_dir)
+            if torn:
+                self._note(f"{self.run_dir / METRICS} has lines that are not JSON (line {torn[0]}); they are dropped")
+            kept = "".join(json.dumps(r) + "\n" for r in rows if r["step"] <= self.step_idx)
+            write_text_atomic(self.run_dir / METRICS, kept)
 
     def metric_rows(self) -> list[dict]:
-        """The rows of metrics.jsonl: the run's, from its first step."""
-        lines = (self.run_dir / METRICS).read_text(errors="replace").splitlines()
-        return [json.loads(line) for line in lines if line.strip()]
+        """The rows of metrics.jsonl (store/runs.read_metrics): the run's, from its first step."""
+        return read_metrics(self.run_dir)[0]
 
     def _remove_failed_start(self) -> bool:
         """A run that fails before its first checkpoint leaves nothing behind in a directory it created; True when
@@ -722,6 +728,18 @@ class Trainer:
             init_from=restart,
             lr=lr,
         )
+
+
+def _rng_state(meta: dict, checkpoint: Path) -> torch.Tensor:
+    """The generator state a checkpoint's state.json records, checked: a resume goes on only from the exact state
+    it stopped in."""
+    saved, size = meta.get("rng_torch"), torch.get_rng_state().numel()
+    if not (isinstance(saved, list) and len(saved) == size and all(0 <= v < 256 for v in saved)):
+        raise InputError(
+            f"{checkpoint / 'state.json'} is damaged: rng_torch must be the {size} bytes of the random generator's "
+            f"state; {use_earlier(checkpoint)}"
+        )
+    return torch.tensor(saved, dtype=torch.uint8)
 
 
 def step_of(row: str) -> int | None:

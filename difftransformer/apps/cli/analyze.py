@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from difftransformer.apps.cli.parsing import at_least, command, threads_flag
+from difftransformer.apps.cli.parsing import INPUT, OUTPUT, at_least, command, threads_flag
 
 
 def analyze_command(sub) -> None:
@@ -21,11 +21,16 @@ def analyze_command(sub) -> None:
         "both maps of each head on a prompt and their difference, as one figure",
         "difftx analyze attention --run runs/diff-tiny --prompt-file prompt.txt --out reports/maps.png",
     )
-    attention.add_argument("--run", required=True, help="a run directory (its newest checkpoint; a repro model too)")
     attention.add_argument(
-        "--prompt-file", required=True, help="UTF-8 text (byte and BPE runs) or whitespace-separated token ids"
+        "--run", type=INPUT, required=True, help="a run directory (its newest checkpoint; a repro model too)"
     )
-    attention.add_argument("--out", required=True, help="the PNG to write (its folder is made)")
+    attention.add_argument(
+        "--prompt-file",
+        type=INPUT,
+        required=True,
+        help="UTF-8 text (byte and BPE runs) or whitespace-separated token ids",
+    )
+    attention.add_argument("--out", type=OUTPUT, required=True, help="the PNG to write (its folder is made)")
     attention.add_argument("--layer", type=int, default=-1, help="the layer to show (-1: the last)")
     threads_flag(attention)
     outliers = command(
@@ -36,16 +41,16 @@ def analyze_command(sub) -> None:
         "difftx analyze outliers --run runs/diff-tiny --run runs/std-tiny --tokens 65536 --out reports/outliers",
     )
     outliers.add_argument(
-        "--run", required=True, action="append", help="a run directory; repeat the flag for more runs"
+        "--run", type=INPUT, required=True, action="append", help="a run directory; repeat the flag for more runs"
     )
-    outliers.add_argument("--out", required=True, help="a new directory for the tables and histograms")
+    outliers.add_argument("--out", type=OUTPUT, required=True, help="a new directory for the tables and histograms")
     outliers.add_argument(
         "--tokens",
         type=at_least(1),
         default=400_000,
         help="validation tokens per run (400000 as in the paper; fewer when the split is smaller)",
     )
-    outliers.add_argument("--data", help="the data directory (default: the one each run was trained on)")
+    outliers.add_argument("--data", type=INPUT, help="the data directory (default: the one each run was trained on)")
     outliers.add_argument("--batch", type=at_least(1), default=4, help="windows per forward pass")
     threads_flag(outliers)
 

@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from difftransformer.apps.cli.parsing import at_least, command
+from difftransformer.apps.cli.parsing import INPUT, OUTPUT, at_least, command
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -18,6 +18,7 @@ def _bench(args: argparse.Namespace) -> int:
     if (device := resolve_device(getattr(args, "device", "cpu"))).type == "cuda":  # refuses a device not here
         torch.cuda.set_device(device)  # every tensor and synchronisation of the benchmark on that GPU
 
+    _check_json(args)
     threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
     try:
@@ -83,6 +84,29 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_json(args: argparse.Namespace) -> None:
+    """The output rule for --json, before anything is measured: a results file is never written over; the context
+    study's store is continued (its help says so), and its figure (the store's name with .png) may be replaced only
+    when it is the study's own (the store exists)."""
+    from difftransformer.errors import InputError
+
+    if args.json is None:
+        return
+    path = Path(args.json)
+    if args.what != "context":
+        if path.exists() or path.is_symlink():
+            raise InputError(f"--json {path} already exists; choose another path (results are never written over)")
+        return
+    if path.suffix.lower() != ".json":
+        raise InputError(f"--json {path} must name a .json file (the figure goes beside it, as .png)")
+    figure = path.with_suffix(".png")
+    if not path.exists() and (figure.exists() or figure.is_symlink()):
+        raise InputError(
+            f"{figure} already exists and is not this new study's figure (bench context draws its figure beside the "
+            "--json store, with .png): move it, or choose another --json path"
+        )
+
+
 def bench_command(sub) -> None:
     bench = sub.add_parser(
         "bench",
@@ -141,7 +165,7 @@ def bench_command(sub) -> None:
         "a quantized run against its float source: size on disk, decode tokens/s",
         "difftx bench quantized --run runs/diff-tiny-w8a8 --context 128",
     )
-    quantized.add_argument("--run", required=True, help="a run made by difftx quantize")
+    quantized.add_argument("--run", type=INPUT, required=True, help="a run made by difftx quantize")
     quantized.add_argument("--context", type=at_least(1), nargs="+", default=[512, 2048], help="prompt lengths")
     quantized.add_argument("--tokens", type=at_least(1), default=32, help="timed decode steps per repeat")
     _common(quantized)
@@ -195,10 +219,15 @@ def _common(mode, threads: int = 1, store: bool = False) -> None:
     what = "the threads compared with 1 (at least 2)" if threads > 1 else "CPU threads"
     mode.add_argument("--threads", type=at_least(threads), default=threads, help=what)
     if store:
-        mode.add_argument("--json", required=True, help="the study's store: results are written after each "
-                          "measurement, and the same file again resumes it")  # fmt: skip
+        mode.add_argument(
+            "--json",
+            type=OUTPUT,
+            required=True,
+            help="the study's store (a .json file): results are written after each measurement, the same file again "
+            "continues the study, and the figure is drawn beside it (the same name with .png, replaced at each run)",
+        )
     else:
-        mode.add_argument("--json", help="also write the results to this JSON file")
+        mode.add_argument("--json", type=OUTPUT, help="also write the results to this new JSON file")
 
 
 def _device_flags(mode) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from difftransformer.apps.cli.parsing import command, threads_flag
+from difftransformer.apps.cli.parsing import INPUT, OUTPUT, command, threads_flag
 from difftransformer.fsutil import shell
 
 
@@ -17,16 +17,18 @@ def convert_command(sub) -> None:
         "difftx convert --run runs/diff-tiny --to hf --out hf/diff-tiny --license mit\n"
         "difftx convert --from-hf hf/diff-tiny --out runs/diff-tiny-back",
     )
-    conv.add_argument("--run", help="the run directory to convert")
+    conv.add_argument("--run", type=INPUT, help="the run directory to convert")
     conv.add_argument("--to", choices=["hf"], default="hf", help="the format of --run's export")
-    conv.add_argument("--from-hf", help="a DiffLlama or Llama save_pretrained directory")
+    conv.add_argument("--from-hf", type=INPUT, help="a DiffLlama or Llama save_pretrained directory")
     conv.add_argument(
         "--attention",
         choices=["diff"],
         help="with --from-hf of a Llama: build a DIFF model from it (approximate: it starts near the Llama's loss, "
         "to fine-tune with difftx train --init-from)",
     )
-    conv.add_argument("--out", required=True, help="the new directory (a Hugging Face directory, or a run)")
+    conv.add_argument(
+        "--out", type=OUTPUT, required=True, help="the new directory (a Hugging Face directory, or a run)"
+    )
     conv.add_argument("--license", help="--to hf: the license in the model card's front matter (a Hub id, e.g. mit)")
     conv.add_argument(
         "--dataset",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from difftransformer.apps.cli.parsing import command
+from difftransformer.apps.cli.parsing import INPUT, OUTPUT, command
 
 
 def _documents(args: argparse.Namespace):
@@ -76,12 +76,15 @@ def data_command(sub) -> None:
     )
     prep.add_argument(
         "--input",
+        type=INPUT,
         nargs="+",
         default=["pydocs"],
         help="files or directories (.txt, .md, .jsonl); 'pydocs' is the built-in default corpus",
     )
-    prep.add_argument("--tokenizer", default="byte", help="'byte', a tokenizer.json, or a tokenizer directory")
-    prep.add_argument("--out", required=True, help="the new data directory")
+    prep.add_argument(
+        "--tokenizer", type=INPUT, default="byte", help="'byte', a tokenizer.json, or a tokenizer directory"
+    )
+    prep.add_argument("--out", type=OUTPUT, required=True, help="the new data directory")
     prep.add_argument("--text-field", default="text", help="the field of .jsonl records that holds the text")
     prep.add_argument(
         "--val-every",
@@ -103,7 +106,7 @@ def data_command(sub) -> None:
         "difftx data fetch shakespeare --out data/shakespeare",
     )
     fetch.add_argument("corpus", choices=["shakespeare", "sotu"], help="which corpus (see the README for sources)")
-    fetch.add_argument("--out", required=True, help="where the corpus's text files go")
+    fetch.add_argument("--out", type=OUTPUT, required=True, help="where the corpus's text files go")
     verify = command(
         data_sub,
         "verify",
@@ -111,7 +114,7 @@ def data_command(sub) -> None:
         "check every shard of a data directory against its checksum",
         "difftx data verify data/mine",
     )
-    verify.add_argument("data", help="a directory made by difftx data prepare")
+    verify.add_argument("data", type=INPUT, help="a directory made by difftx data prepare")
 
 
 def tokenizer_command(sub) -> None:
@@ -124,7 +127,9 @@ def tokenizer_command(sub) -> None:
         "train a byte-level BPE tokenizer on local text",
         "difftx tokenizer train --input my-texts --vocab-size 8192 --out tok",
     )
-    tok_train.add_argument("--input", nargs="+", default=["pydocs"], help="files or directories of text to train on")
+    tok_train.add_argument(
+        "--input", type=INPUT, nargs="+", default=["pydocs"], help="files or directories of text to train on"
+    )
     tok_train.add_argument("--vocab-size", type=int, default=8192, help="tokens in the vocabulary")
-    tok_train.add_argument("--out", required=True, help="the new tokenizer directory")
+    tok_train.add_argument("--out", type=OUTPUT, required=True, help="the new tokenizer directory")
     tok_train.add_argument("--text-field", default="text", help="the field of .jsonl records that holds the text")

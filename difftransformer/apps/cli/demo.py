@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from difftransformer.apps.cli.parsing import at_least, command, threads_flag
+from difftransformer.apps.cli.parsing import OUTPUT, at_least, command, threads_flag
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -63,8 +63,12 @@ def demo_command(sub) -> None:
         "difftx demo --steps 240 --out runs/demo",
     )
     demo.add_argument("--steps", type=at_least(1), default=240, help="training steps of each model")
-    demo.add_argument("--out", default="runs/demo", help="report directory (a free name is chosen next to it)")
-    demo.add_argument("--data", default="data/pydocs", help="where the built-in corpus is prepared (reused)")
+    demo.add_argument(
+        "--out", type=OUTPUT, default="runs/demo", help="report directory (a free name is chosen next to it)"
+    )
+    demo.add_argument(
+        "--data", type=OUTPUT, default="data/pydocs", help="where the built-in corpus is prepared (reused)"
+    )
     demo.add_argument(
         "--resume", action="store_true", help="continue the interrupted demo in --out (Ctrl-C saves every model)"
     )

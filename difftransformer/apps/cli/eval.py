@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from difftransformer.apps.cli.parsing import check_utf8, command, threads_flag
+from difftransformer.apps.cli.parsing import INPUT, check_utf8, command, threads_flag
 
 
 def eval_command(sub) -> None:
@@ -17,8 +17,8 @@ def eval_command(sub) -> None:
         "perplexity with lm-eval (HFLM) on a local JSONL file, and our own bits per byte",
         "difftx eval --run runs/diff-tiny --jsonl texts.jsonl --logit-bits 4",
     )
-    ev.add_argument("--run", required=True, help="the run to evaluate")
-    ev.add_argument("--jsonl", required=True, help="a JSONL file of texts")
+    ev.add_argument("--run", type=INPUT, required=True, help="the run to evaluate")
+    ev.add_argument("--jsonl", type=INPUT, required=True, help="a JSONL file of texts")
     ev.add_argument("--text-field", default="text", help="the field of the records that holds the text")
     ev.add_argument(
         "--logit-bits",

@@ -4,13 +4,15 @@ and its exit code."""
 from __future__ import annotations
 
 import os
+import signal
 import sys
 
 from difftransformer.apps.cli.parser import build_parser
-from difftransformer.apps.cli.parsing import fail, flag_namer
+from difftransformer.apps.cli.parsing import check_paths, fail, flag_namer
 from difftransformer.errors import name_fields
 
 GROUP_FAILED = 4  # the exit code of a process whose torchrun group broke
+STOPS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # what stops a command: Ctrl-C, kill, a closed terminal
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -27,12 +29,31 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _start_and_run(argv: list[str] | None) -> int:
+    import threading
+
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = {s: signal.getsignal(s) for s in STOPS} if main_thread else {}
     try:
-        if _start_up_interrupted():
-            return fail("difftx", "stopped by SIGINT", code=130, label="interrupted")
+        if signum := _start_up_interrupted():
+            return fail("difftx", f"stopped by {signal.Signals(signum).name}", code=128 + signum, label="interrupted")
         return _main(argv)
-    except KeyboardInterrupt:  # before the command started (imports, parsing): nothing was written
-        return fail("difftx", "stopped by SIGINT", code=130, label="interrupted")
+    except KeyboardInterrupt as err:  # before the command started (imports, parsing): nothing was written
+        signum = getattr(err, "signum", signal.SIGINT)
+        return fail("difftx", f"stopped by {signal.Signals(signum).name}", code=128 + signum, label="interrupted")
+    finally:  # the handlers as they were (main may be called again, in a process that goes on)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def _refused_allocation(err: RuntimeError) -> str | None:
+    """The size in words when ``err`` is PyTorch's CPU allocator refusing memory, else None."""
+    import re
+
+    found = re.search(r"can't allocate memory: you tried to allocate (\d+) bytes", str(err))
+    if found is None:
+        return None
+    size = int(found.group(1))
+    return f"{size / 2**30:.1f} GiB" if size >= 2**30 else f"{size / 2**20:.1f} MiB"
 
 
 def _leave_process_group() -> None:
@@ -48,11 +69,11 @@ def _leave_process_group() -> None:
         fail("difftx", f"leaving the process group failed ({type(err).__name__}: {err})", label="warning")
 
 
-def _start_up_interrupted() -> bool:
-    """Import torch, the slow part of every command's start-up, with SIGINT held back until it is done (an
+def _start_up_interrupted() -> int | None:
+    """Import torch, the slow part of every command's start-up, with the stop signals held back until it is done (an
     import cut short by KeyboardInterrupt can leave a module half-initialised, and a library's bare ``except``
-    can swallow it); True if a SIGINT came meanwhile."""
-    import signal
+    can swallow it); the first that came meanwhile, or None. After it, SIGTERM and SIGHUP raise ``Stopped`` as
+    SIGINT raises KeyboardInterrupt, so that every command cleans up and says so on each of them."""
     import threading
 
     from difftransformer.threads import wait_passively
@@ -61,14 +82,36 @@ def _start_up_interrupted() -> bool:
     if threading.current_thread() is not threading.main_thread():
         import torch  # noqa: F401
 
-        return False
+        return None
     received: list[int] = []
-    previous = signal.signal(signal.SIGINT, lambda signum, _frame: received.append(signum))
+    previous = {s: signal.signal(s, lambda signum, _frame: received.append(signum)) for s in STOPS}
     try:
         import torch  # noqa: F401
     finally:
-        signal.signal(signal.SIGINT, previous)
-    return bool(received)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, _raise_stopped)
+    return received[0] if received else None
+
+
+def _raise_stopped(signum: int, _frame) -> None:
+    from difftransformer.errors import Stopped
+
+    raise Stopped(signum)
+
+
+def _stopped(where: str, err: KeyboardInterrupt) -> int:
+    """The one line of a command stopped by a signal, with what was not written (or that nothing was left half
+    written: every output is written whole or not at all)."""
+    signum = getattr(err, "signum", signal.SIGINT)
+    discarded = getattr(err, "discarded", [])
+    left = (
+        f"{discarded[0]} was not written (nothing of it was left)"
+        if discarded
+        else "nothing half-written was left (every output is written whole or not at all)"
+    )
+    return fail(where, f"stopped by {signal.Signals(signum).name}; {left}", code=128 + signum, label="interrupted")
 
 
 def _main(argv: list[str] | None) -> int:
@@ -90,6 +133,7 @@ def _main(argv: list[str] | None) -> int:
 
         torch.set_num_threads(threads)
     try:
+        check_paths(args)
         return args.func(args)
     except ConfigError as err:
         return fail(where, err.render(flag_namer(args.parser, err.owner)))
@@ -101,8 +145,8 @@ def _main(argv: list[str] | None) -> int:
         return fail(where, name_fields(str(err), flag_namer(args.parser)), code=3)
     except Interrupted as err:
         return fail(where, str(err), code=128 + err.signum, label="interrupted")
-    except KeyboardInterrupt:
-        return fail(where, "stopped by SIGINT", code=130, label="interrupted")
+    except KeyboardInterrupt as err:
+        return _stopped(where, err)
     except MemoryError:
         return fail(where, "out of memory: use a smaller model, batch or sequence length")
     except ModuleNotFoundError as err:
@@ -119,6 +163,9 @@ def _main(argv: list[str] | None) -> int:
         if type(err).__name__ == "OutOfMemoryError":  # torch.OutOfMemoryError, without importing torch here
             first = str(err).splitlines()[0]
             return fail(where, f"out of memory on the device ({first}): use a smaller batch or model")
+        if (asked := _refused_allocation(err)) is not None:  # the CPU allocator's error is a RuntimeError
+            return fail(where, f"out of memory: an allocation of {asked} was refused; use a smaller batch, model or "
+                               "sequence length")  # fmt: skip
         from difftransformer.training.distributed import group_failure
 
         if (failure := group_failure(err)) is None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from difftransformer.apps.cli.parsing import check_utf8, command, threads_flag
+from difftransformer.apps.cli.parsing import INPUT, check_utf8, command, threads_flag
 
 
 def generate_command(sub) -> None:
@@ -15,7 +15,7 @@ def generate_command(sub) -> None:
         "sample from a trained run, streaming the text",
         "difftx generate --run runs/diff-tiny --prompt 'The module ' --max-new-tokens 60 --seed 0",
     )
-    gen.add_argument("--run", required=True, help="a run directory (trained, converted or quantized)")
+    gen.add_argument("--run", type=INPUT, required=True, help="a run directory (trained, converted or quantized)")
     gen.add_argument("--prompt", required=True, help="the text to continue")
     gen.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate at most")
     gen.add_argument("--temperature", type=float, default=0.8, help="0 for greedy decoding")

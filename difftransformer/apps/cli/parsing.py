@@ -6,7 +6,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
+from pathlib import Path
 
 from difftransformer.errors import name_fields
 
@@ -54,6 +56,8 @@ def config_flags(parser, config, skip: tuple[str, ...] = (), defaults: dict[str,
             parser.add_argument(flag, action="store_true", default=None, help=text)
             continue
         convert = int if kind.startswith("int") else float if kind.startswith("float") else str
+        if meta.get("path"):
+            convert = PathArg(meta["path"])
         metavar = "JSON" if kind.startswith("dict") else None
         parser.add_argument(flag, type=convert, choices=meta.get("choices"), metavar=metavar, help=text)
 
@@ -106,6 +110,45 @@ def threads_flag(parser) -> None:
         type=at_least(1),
         help="CPU threads (default: torch's, one per core this process may use)",
     )
+
+
+class PathArg(str):
+    """The type of a flag that takes a path: ``input`` (paths.check_input's rule) or ``output`` (paths.check_output's
+    rule). Parsing keeps the text; ``check_paths`` applies the rule to every such flag given, before the command runs,
+    so that each message names its flag."""
+
+    def __init__(self, role: str) -> None:
+        self.role = role
+        self.__name__ = f"{role} path"
+
+    def __call__(self, text: str) -> str:
+        return text
+
+
+INPUT, OUTPUT = PathArg("input"), PathArg("output")
+
+
+def check_paths(args: argparse.Namespace) -> None:
+    """Apply the path rule to every path flag of ``args.parser`` (a flag not given, None, is the command's to fill)."""
+    from difftransformer.paths import check_output, refuse_empty, refuse_special
+
+    for action in args.parser._actions:
+        role = getattr(action.type, "role", None)
+        values = getattr(args, action.dest, None)
+        if role is None or values is None:
+            continue
+        flag = action.option_strings[-1] if action.option_strings else action.dest.upper()
+        for value in values if isinstance(values, list) else [values]:
+            check_utf8(value, flag)
+            if role == OUTPUT.role:
+                check_output(value, flag)
+                continue
+            refuse_empty(value, flag)
+            try:
+                mode = os.stat(value).st_mode
+            except OSError:  # missing: the command says what to make or give
+                continue
+            refuse_special(Path(value), mode, flag)
 
 
 def at_least(low: int):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from difftransformer.apps.cli.parsing import at_least, command, threads_flag
+from difftransformer.apps.cli.parsing import INPUT, OUTPUT, at_least, command, threads_flag
 from difftransformer.fsutil import shell
 
 
@@ -16,7 +16,7 @@ def quantize_command(sub) -> None:
         "post-training quantization of a run into a new run directory (integer weights)",
         "difftx quantize --run runs/diff-tiny --scheme w8a8 --out runs/diff-tiny-w8a8",
     )
-    quant.add_argument("--run", required=True, help="the trained (float) run directory")
+    quant.add_argument("--run", type=INPUT, required=True, help="the trained (float) run directory")
     quant.add_argument(
         "--scheme",
         required=True,
@@ -24,7 +24,7 @@ def quantize_command(sub) -> None:
         help="w8a16: int8 per-channel weights; w4a16: int4 weights in groups of 32; w8a8: int8 weights and "
         "int8 linear-layer inputs with calibrated scales",
     )
-    quant.add_argument("--out", required=True, help="the new run directory (must not exist or be empty)")
+    quant.add_argument("--out", type=OUTPUT, required=True, help="the new run directory (must not exist or be empty)")
     quant.add_argument(
         "--calib-samples",
         type=at_least(1),
@@ -37,7 +37,7 @@ def quantize_command(sub) -> None:
         choices=["absmax", "percentile"],
         help="w8a8: input range = the largest |x| seen (default) or its 99.99th percentile",
     )
-    quant.add_argument("--data", help="w8a8: the data directory (default: the one the run was trained on)")
+    quant.add_argument("--data", type=INPUT, help="w8a8: the data directory (default: the one the run was trained on)")
     threads_flag(quant)
 
 

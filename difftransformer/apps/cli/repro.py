@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from difftransformer.apps.cli.parsing import at_least, command
+from difftransformer.apps.cli.parsing import INPUT, OUTPUT, at_least, command
 
 
 def repro_command(sub) -> None:
@@ -23,6 +23,7 @@ def repro_command(sub) -> None:
     )
     repro.add_argument(
         "--out",
+        type=OUTPUT,
         help="a new report directory (default reports/<what>, or reports for all); lm: the same one again continues "
         "an interrupted study",
     )
@@ -34,6 +35,7 @@ def repro_command(sub) -> None:
     )
     repro.add_argument(
         "--models",
+        type=INPUT,
         help="allocation: a needle report directory whose trained models to measure; quant: a `repro lm` directory; "
         "needle, icl: a report directory of the same experiment whose models to evaluate again (no training)",
     )
@@ -54,6 +56,7 @@ def repro_command(sub) -> None:
     )
     repro.add_argument(
         "--corpora",
+        type=INPUT,
         nargs="+",
         help="lm: corpus directories used besides the built-in one (default data/shakespeare data/sotu, made by "
         "`difftx data fetch`)",

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from difftransformer.apps.cli.parsing import command, config_flags
+from difftransformer.apps.cli.parsing import INPUT, command, config_flags
 from difftransformer.fsutil import shell
 
 if TYPE_CHECKING:
@@ -31,12 +31,14 @@ def train_command(sub) -> None:
     )
     tr.add_argument(
         "--resume",
+        type=INPUT,
         metavar="RUN",
         help="continue the run in this directory from its last checkpoint; it may change "
         + ", ".join("--" + name.replace("_", "-") for name in RESUMABLE),
     )
     tr.add_argument(
         "--config",
+        type=INPUT,
         metavar="FILE",
         help="settings from a TOML, YAML or JSON file (keys: these flags' names, a [model] table of ModelConfig "
         "overrides, betas; a run's train_config.json is one); flags given beside it override it",
@@ -51,7 +53,7 @@ def train_command(sub) -> None:
 def _train(args: argparse.Namespace) -> int:
     from difftransformer.errors import ConfigError, Interrupted, TrainingDiverged
     from difftransformer.fsutil import parse_json_object
-    from difftransformer.training.config import TrainConfig
+    from difftransformer.training.config import RESUMABLE, TrainConfig
     from difftransformer.training.config_file import file_error, read_config_file, to_toml
     from difftransformer.training.distributed import unwrap
     from difftransformer.training.loop import Trainer
@@ -77,6 +79,14 @@ def _train(args: argparse.Namespace) -> int:
         trainer = Trainer(cfg, resume=resume, quiet=args.quiet)
     except TrainingDiverged as err:  # the run's newest checkpoint is not healthy
         return _diverged(err, cfg, main=os.environ.get("RANK", "0") == "0")
+    except ConfigError as err:  # a recipe's value no flag gave: name the file it came from, not a flag
+        if err.field in given or err.field in RESUMABLE:  # (a resume's flag for the latter is the way to fix it)
+            raise
+        if err.field in from_file:
+            raise file_error(args.config, err) from None
+        if resume:
+            raise file_error(Path(cfg.out) / "train_config.json", err) from None
+        raise
     main = trainer.world.is_main
     try:
         if trainer.step_idx >= cfg.max_steps:

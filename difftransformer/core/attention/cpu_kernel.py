@@ -16,10 +16,13 @@ as well and slower. ``DIFFTX_CPU_KERNEL=0`` turns the kernel off.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import os
 import platform
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -88,14 +91,15 @@ def _load() -> bool:
               f"under a minute) in {directory}", file=sys.stderr)  # fmt: skip
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        cpp_extension.load(
-            name="difftx_diff_block",
-            sources=[str(_source_copy(directory))],
-            extra_cflags=_flags(),
-            build_directory=str(directory),
-            is_python_module=False,
-            verbose=False,
-        )
+        with build_lock(directory):
+            cpp_extension.load(
+                name="difftx_diff_block",
+                sources=[str(_source_copy(directory))],
+                extra_cflags=_flags(),
+                build_directory=str(directory),
+                is_python_module=False,
+                verbose=False,
+            )
     except Exception as err:  # no compiler, no ninja, a failed build: the PyTorch block method runs instead
         reason = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
         warnings.warn(
@@ -111,6 +115,54 @@ def _load() -> bool:
               file=sys.stderr)  # fmt: skip
     _register_fake()
     return True
+
+
+BUILDER = "difftx-builder.lock"  # held (flock) by the process that builds; the kernel drops it when that one dies
+WAIT_NOTE_S = 5.0  # a wait longer than this says what it waits for, and again every STILL_WAITING_S
+STILL_WAITING_S = 60.0
+
+
+@contextlib.contextmanager
+def build_lock(directory: Path):
+    """Hold the build directory for one builder at a time: an exclusive ``flock`` on ``difftx-builder.lock``, which
+    the operating system releases when its holder ends however it ends (SIGKILL included), with the holder's pid
+    written in it. PyTorch's own ``lock`` file (``FileBaton``) is left behind by a builder that was killed, and every
+    later build waits on it forever; held here, no live builder can own such a file, so it is removed with a
+    message. A wait for a live builder says, after a few seconds, which process it waits for."""
+    path = directory / BUILDER
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    try:
+        _take(fd, path, directory)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        baton = directory / "lock"
+        if baton.exists():
+            baton.unlink(missing_ok=True)
+            print(f"difftransformer: removed {baton}, left by a kernel build that was stopped (no builder holds it "
+                  "now); building again", file=sys.stderr)  # fmt: skip
+        yield
+    finally:
+        os.close(fd)  # releases the flock
+
+
+def _take(fd: int, path: Path, directory: Path) -> None:
+    """Wait for the builder's flock on ``fd``, saying which process holds it when the wait is long."""
+    start = time.monotonic()
+    said = None
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            pass
+        waited = time.monotonic() - start
+        if waited >= WAIT_NOTE_S and (said is None or waited - said >= STILL_WAITING_S):
+            holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+            holder = holder if holder.isdigit() else "unknown"
+            print(f"difftransformer: waiting for process {holder}, which is building the fused CPU attention kernel "
+                  f"in {directory} ({waited:.0f} s so far; a build takes about a minute)", file=sys.stderr)  # fmt: skip
+            said = waited
+        time.sleep(0.2)
 
 
 def _built(directory: Path) -> float | None:

@@ -1,0 +1,122 @@
+"""SIGTERM, SIGHUP (a closed terminal) and SIGINT while a command writes: one line that says it stopped and what was
+not written, the exit code 128 + the signal, and nothing half-written left behind (the temporary folder removed). The
+demo's report too: its models stay saved, and a resume writes the report."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import optional, small_config
+
+from difftransformer.training.loop import train
+
+pytestmark = pytest.mark.slow
+SCRIPT = Path(__file__).with_name("signal_at_write.py")
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    from conftest import write_corpus
+
+    from difftransformer.store.corpus import find_files, iter_documents
+    from difftransformer.store.data import prepare
+    from difftransformer.store.tokenizer import ByteTokenizer
+
+    root = tmp_path_factory.mktemp("signals")
+    write_corpus(root / "corpus")
+    prepare(iter_documents(find_files([root / "corpus"])), ByteTokenizer(), root / "data", val_every=10)
+    train(small_config(root / "data", root / "run", max_steps=2, ckpt_interval=2, eval_interval=2), quiet=True)
+    return root / "run"
+
+
+COMMANDS = [  # (command, what it writes, the signal)
+    ("data prepare --input {corpus} --out {out}", "data directory", "TERM"),
+    ("tokenizer train --input {corpus} --out {out} --vocab-size 300", "tokenizer directory", "INT"),
+    ("convert --run {run} --to hf --out {out}", "output directory", "HUP"),
+    ("quantize --run {run} --scheme w8a16 --out {out}", "output directory", "TERM"),
+    ("analyze outliers --run {run} --tokens 256 --out {out}", "output directory", "INT"),
+]
+
+
+@pytest.mark.parametrize("line, what, name", COMMANDS, ids=[c[0].split(" --")[0] for c in COMMANDS])
+def test_a_signal_while_a_command_writes_leaves_nothing_and_says_so(run, tmp_path, line, what, name):
+    out = tmp_path / "out"
+    argv = line.format(corpus=run.parent / "corpus", run=run, out=out).split()
+    env = {**os.environ, "DIFFTX_SIGNAL": name}
+    done = subprocess.run([sys.executable, str(SCRIPT), *argv], env=env, capture_output=True, text=True, timeout=600)
+    signum = getattr(signal, f"SIG{name}")
+    assert done.returncode == 128 + signum, done.stderr[-2000:]
+    last = done.stderr.strip().splitlines()[-1]
+    command = " ".join(argv[:2] if argv[0] in ("data", "tokenizer", "analyze") else argv[:1])
+    assert last == (
+        f"difftx {command}: interrupted: stopped by SIG{name}; {what} {out} was not written (nothing of it was left)"
+    ), last
+    assert "Traceback" not in done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # no output, no temporary
+
+
+def test_a_signal_while_the_demo_writes_its_report_keeps_the_models_and_a_resume_writes_it(
+    tmp_path, prepared, monkeypatch
+):
+    from difftransformer.apps import demo
+    from difftransformer.errors import Interrupted, Stopped
+
+    optional("matplotlib")
+    shape = {"steps": 2, "eval_every": 2, "seq_len": 32, "batch_size": 4, "data": prepared, "sample_tokens": 4}
+    real = demo.write_text_atomic
+
+    def stopped(path, text):
+        if Path(path).name == "report.md":
+            raise Stopped(signal.SIGTERM)  # what the handler difftx installs raises
+        return real(path, text)
+
+    monkeypatch.setattr(demo, "write_text_atomic", stopped)
+    with pytest.raises(Interrupted) as stop:
+        demo.run_demo(out=tmp_path / "demo", **shape)
+    assert str(stop.value) == (
+        f"stopped by SIGTERM while writing the report of {tmp_path / 'demo'}; the models are trained and saved: "
+        f"difftx demo --resume --out {tmp_path / 'demo'} writes it"
+    )
+    assert stop.value.signum == signal.SIGTERM and not (tmp_path / "demo" / "report.md").exists()
+    monkeypatch.setattr(demo, "write_text_atomic", real)
+    demo.run_demo(out=tmp_path / "demo", resume=True, **shape)
+    assert (tmp_path / "demo" / "report.md").read_text().startswith("# Demo")
+
+
+def test_a_full_disk_while_the_demo_writes_its_report_names_the_file_and_the_way_to_write_it(
+    tmp_path, prepared, monkeypatch
+):
+    """The report on a full disk: "[Errno 28]" named no file, a 0-byte report.md was left, and `demo --resume` then
+    refused ("holds a finished demo"): the trained models never got their report."""
+    import errno
+
+    from difftransformer.apps import demo
+    from difftransformer.fsutil import write_atomic
+
+    optional("matplotlib")
+    shape = {"steps": 2, "eval_every": 2, "seq_len": 32, "batch_size": 4, "data": prepared, "sample_tokens": 4}
+
+    def full(path, text):
+        def half(tmp):
+            tmp.write_text(text[:10])
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        write_atomic(path, half)
+
+    monkeypatch.setattr(demo, "write_text_atomic", full)
+    with pytest.raises(OSError) as failed:
+        demo.run_demo(out=tmp_path / "demo", **shape)
+    report = tmp_path / "demo" / "report.md"
+    assert str(failed.value).startswith(f"[Errno 28] could not write {report}: the disk is full: free some space; ")
+    assert f"the models are trained and saved: once that is fixed, difftx demo --resume --out {tmp_path / 'demo'}" in (
+        str(failed.value)
+    )
+    assert not report.exists() and not [p for p in report.parent.iterdir() if ".tmp-" in p.name]
+    monkeypatch.undo()
+    demo.run_demo(out=tmp_path / "demo", resume=True, **shape)
+    assert report.read_text().startswith("# Demo")
