@@ -200,6 +200,7 @@ def test_bench_context_measures_each_t_in_its_own_process_and_resumes(tmp_path, 
     monkeypatch.setattr(bench_context, "_measure", no_child)  # a rerun resumes: nothing measured twice
     assert main([*args, "--json", str(store)]) == 0
     assert json.loads(store.read_text())["rows"] == rows
+    assert f"continuing the study in {store} ({len(rows)} measurements kept)" in capsys.readouterr().err
     assert main(["bench", "context", "--preset", "small", "--seq", "64", "--json", str(store)]) != 0
     assert "holds another study" in capsys.readouterr().err
     assert main(["bench", "context", "--preset", "tiny"]) != 0  # the store is needed

@@ -97,6 +97,9 @@ def bench_context(
     store = Path(store)
     result = _open_store(store, preset, batch)
     result["rows"] = [e for e in result["rows"] if "skipped" not in e]
+    if result["rows"]:  # the documented continuation: said, with what is kept
+        print(f"bench context: continuing the study in {store} ({len(result['rows'])} measurements kept)",
+              file=sys.stderr, flush=True)  # fmt: skip
     for kind in kinds:
         for model in models:
             series = [e for e in result["rows"] if e["kind"] == kind and e["model"] == model]
