@@ -120,3 +120,33 @@ def test_a_full_disk_while_the_demo_writes_its_report_names_the_file_and_the_way
     monkeypatch.undo()
     demo.run_demo(out=tmp_path / "demo", resume=True, **shape)
     assert report.read_text().startswith("# Demo")
+
+
+def _train_for_a_minute(attention: str, seed: int) -> dict:
+    import time
+
+    time.sleep(60)
+    return {}
+
+
+def test_a_signal_stops_an_experiments_models_training_in_other_processes(monkeypatch):
+    """SIGTERM now raises in every command: an experiment's pool of spawned workers must end with it, not run every
+    queued model to its end first (what leaving the pool's block does)."""
+    import time
+
+    from difftransformer.apps.repro.fit import run_pairs
+    from difftransformer.errors import Stopped
+
+    def stop(signum, _frame):
+        raise Stopped(signal.SIGTERM)  # what difftx's handler raises
+
+    previous = signal.signal(signal.SIGALRM, stop)
+    signal.alarm(5)  # the workers have started their models by then
+    started = time.monotonic()
+    try:
+        with pytest.raises(Stopped):
+            run_pairs(_train_for_a_minute, [0, 1], workers=2, steps=1, label="signal test")
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    assert time.monotonic() - started < 40  # the four queued minutes were not waited for

@@ -174,10 +174,23 @@ def run_pairs(job: Callable[[str, int], dict], seeds: list[int], workers: int, s
         with progress.watching(lambda: counter.value, after="training done; evaluating the models"):
             if workers <= 1:
                 return [job(a, s) for a, s in tasks]
-            with ProcessPoolExecutor(workers, ctx, initializer=_count_steps, initargs=(counter,)) as pool:
+            pool = ProcessPoolExecutor(workers, ctx, initializer=_count_steps, initargs=(counter,))
+            try:
                 return list(pool.map(job, *zip(*tasks, strict=True)))
+            except BaseException:  # a signal or a failed model: the others stop now (the pool would run them all)
+                _stop_workers(pool)
+                raise
+            finally:
+                pool.shutdown(wait=True, cancel_futures=True)
     finally:
         _count_steps(None)
+
+
+def _stop_workers(pool: ProcessPoolExecutor) -> None:
+    """End the workers of ``pool`` at once: its queued models are cancelled, the ones training are killed (SIGTERM)."""
+    pool.shutdown(wait=False, cancel_futures=True)
+    for process in list((pool._processes or {}).values()):  # the executor has no public way to end running work
+        process.terminate()
 
 
 def _count_steps(counter) -> None:
