@@ -24,7 +24,7 @@ def write_new_dir(out, what, write):
     def written_then_signalled(tmp):
         write(tmp)
         os.kill(os.getpid(), SIGNAL)
-        time.sleep(10)  # the handler raises here
+        time.sleep(5)  # the handler raises here
         raise AssertionError("the signal did not stop the command")
 
     return real(out, what, written_then_signalled)

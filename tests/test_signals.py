@@ -34,6 +34,13 @@ def run(tmp_path_factory):
     return root / "run"
 
 
+def _heard() -> None:
+    """In the child: every stop signal at its default, as in a terminal (a shell's background job, as a test run may
+    be, starts its children ignoring SIGINT, and a process keeps a signal it was started ignoring ignored)."""
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, signal.SIG_DFL)
+
+
 COMMANDS = [  # (command, what it writes, the signal)
     ("data prepare --input {corpus} --out {out}", "data directory", "TERM"),
     ("tokenizer train --input {corpus} --out {out} --vocab-size 300", "tokenizer directory", "INT"),
@@ -48,7 +55,9 @@ def test_a_signal_while_a_command_writes_leaves_nothing_and_says_so(run, tmp_pat
     out = tmp_path / "out"
     argv = line.format(corpus=run.parent / "corpus", run=run, out=out).split()
     env = {**os.environ, "DIFFTX_SIGNAL": name}
-    done = subprocess.run([sys.executable, str(SCRIPT), *argv], env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), *argv], env=env, capture_output=True, text=True, timeout=600, preexec_fn=_heard
+    )
     signum = getattr(signal, f"SIG{name}")
     assert done.returncode == 128 + signum, done.stderr[-2000:]
     last = done.stderr.strip().splitlines()[-1]
@@ -150,3 +159,20 @@ def test_a_signal_stops_an_experiments_models_training_in_other_processes(monkey
         signal.alarm(0)
         signal.signal(signal.SIGALRM, previous)
     assert time.monotonic() - started < 40  # the four queued minutes were not waited for
+
+
+def test_a_signal_the_command_was_started_ignoring_stays_ignored(run, tmp_path):
+    """`nohup difftx ...` starts it ignoring SIGHUP, so that closing the terminal does not stop it: it stays so."""
+    out = tmp_path / "out"
+    argv = ["quantize", "--run", str(run), "--scheme", "w8a16", "--out", str(out)]
+
+    def ignoring_sighup() -> None:
+        _heard()
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+
+    env = {**os.environ, "DIFFTX_SIGNAL": "HUP"}
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), *argv], env=env, capture_output=True, text=True, timeout=600,
+        preexec_fn=ignoring_sighup,
+    )  # fmt: skip
+    assert "the signal did not stop the command" in done.stderr and done.returncode == 1  # the script's own failure

@@ -73,7 +73,8 @@ def _start_up_interrupted() -> int | None:
     """Import torch, the slow part of every command's start-up, with the stop signals held back until it is done (an
     import cut short by KeyboardInterrupt can leave a module half-initialised, and a library's bare ``except``
     can swallow it); the first that came meanwhile, or None. After it, SIGTERM and SIGHUP raise ``Stopped`` as
-    SIGINT raises KeyboardInterrupt, so that every command cleans up and says so on each of them."""
+    SIGINT raises KeyboardInterrupt, so that every command cleans up and says so on each of them. A signal the
+    process was started ignoring stays ignored (``nohup`` ignores SIGHUP; a shell's background job, SIGINT)."""
     import threading
 
     from difftransformer.threads import wait_passively
@@ -84,13 +85,14 @@ def _start_up_interrupted() -> int | None:
 
         return None
     received: list[int] = []
-    previous = {s: signal.signal(s, lambda signum, _frame: received.append(signum)) for s in STOPS}
+    heard = [s for s in STOPS if signal.getsignal(s) is not signal.SIG_IGN]
+    previous = {s: signal.signal(s, lambda signum, _frame: received.append(signum)) for s in heard}
     try:
         import torch  # noqa: F401
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
-    for signum in (signal.SIGTERM, signal.SIGHUP):
+    for signum in {signal.SIGTERM, signal.SIGHUP} & set(heard):
         signal.signal(signum, _raise_stopped)
     return received[0] if received else None
 
