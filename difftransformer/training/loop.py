@@ -34,7 +34,6 @@ from difftransformer.progress import Progress
 from difftransformer.store.checkpoint import (
     PREFIX,
     SHARDED_TAG,
-    STATE_FILE,
     checkpoint_tmp_dir,
     clean_stale,
     list_checkpoints,
@@ -394,7 +393,7 @@ class Trainer:
         check_weights(unwrap(self.model), model_sd, str(newest), str(self.run_dir / MODEL_CONFIG))
         if not is_sharded(self.model):
             groups = len(self.optimizer.param_groups)
-            check_optimizer_state(unwrap(self.model), optim_sd, str(newest / STATE_FILE), groups)
+            check_optimizer_state(unwrap(self.model), optim_sd, f"checkpoint {newest}", groups)
         with own_layout():
             if is_sharded(self.model):
                 load_pieces(self.model, self.optimizer, model_pieces, optim_pieces, meta.pop("optimizer"))

@@ -117,7 +117,7 @@ def _load() -> bool:
     return True
 
 
-BUILDER = "difftx-builder.lock"  # held (flock) by the process that builds; the kernel drops it when that one dies
+BUILDER = "difftx-builder.lock"  # held (flock) by the process that builds; the system drops it when that one ends
 WAIT_NOTE_S = 5.0  # a wait longer than this says what it waits for, and again every STILL_WAITING_S
 STILL_WAITING_S = 60.0
 
@@ -132,7 +132,7 @@ def build_lock(directory: Path):
     path = directory / BUILDER
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     try:
-        _take(fd, path, directory)
+        _take(fd, directory)
         os.ftruncate(fd, 0)
         os.pwrite(fd, str(os.getpid()).encode(), 0)
         baton = directory / "lock"
@@ -145,7 +145,7 @@ def build_lock(directory: Path):
         os.close(fd)  # releases the flock
 
 
-def _take(fd: int, path: Path, directory: Path) -> None:
+def _take(fd: int, directory: Path) -> None:
     """Wait for the builder's flock on ``fd``, saying which process holds it when the wait is long."""
     start = time.monotonic()
     said = None
@@ -160,7 +160,7 @@ def _take(fd: int, path: Path, directory: Path) -> None:
             holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
             holder = holder if holder.isdigit() else "unknown"
             print(f"difftransformer: waiting for process {holder}, which is building the fused CPU attention kernel "
-                  f"in {directory} ({waited:.0f} s so far; a build takes about a minute)", file=sys.stderr)  # fmt: skip
+                  f"in {directory} ({waited:.0f} s so far; a build takes under a minute)", file=sys.stderr)  # fmt: skip
             said = waited
         time.sleep(0.2)
 
