@@ -112,7 +112,7 @@ def threads_flag(parser) -> None:
     )
 
 
-class PathArg(str):
+class PathArg:
     """The type of a flag that takes a path: ``input`` (paths.check_input's rule) or ``output`` (paths.check_output's
     rule). Parsing keeps the text; ``check_paths`` applies the rule to every such flag given, before the command runs,
     so that each message names its flag."""
