@@ -42,8 +42,9 @@ def refuse_empty(path: str | Path | None, what: str) -> None:
         raise InputError(f"{what} is an empty path (an unset shell variable gives one): give a path")
 
 
-def check_input(path: str | Path, what: str, folder: bool = True) -> Path:
-    """``path`` as an input: not empty, present, and (links followed) a regular file, or a folder when ``folder``.
+def check_input(path: str | Path, what: str, folder: bool = True, missing_ok: bool = False) -> Path:
+    """``path`` as an input: not empty, present (unless ``missing_ok``: the caller says what to make), and (links
+    followed) a regular file, or a folder when ``folder``.
 
     Raises:
         InputError: an empty path, or a FIFO, device or socket (named as such).
@@ -53,10 +54,11 @@ def check_input(path: str | Path, what: str, folder: bool = True) -> Path:
     path = Path(path)
     try:
         mode = os.stat(path).st_mode
-    except FileNotFoundError:
-        raise FileNotFoundError(f"{what} {path} does not exist") from None
-    except NotADirectoryError:
-        raise FileNotFoundError(f"{what} {path} does not exist (a part of it is a file)") from None
+    except (FileNotFoundError, NotADirectoryError) as err:
+        if missing_ok:
+            return path
+        part = " (a part of it is a file)" if isinstance(err, NotADirectoryError) else ""
+        raise FileNotFoundError(f"{what} {path} does not exist{part}") from None
     refuse_special(path, mode, what)
     if stat.S_ISDIR(mode) and not folder:
         raise InputError(f"{what} {path} is a folder: give a file")

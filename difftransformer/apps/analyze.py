@@ -8,6 +8,7 @@ models ``difftx repro`` saves under ``models/`` (the prompt is whitespace-separa
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -50,7 +51,7 @@ def load_prompt(run: str | Path, prompt_file: str | Path) -> tuple[torch.nn.Modu
 
 def analyze_attention(run: str | Path, prompt_file: str | Path, out: str | Path, layer: int = -1) -> Path:
     out = Path(out)
-    if out.exists() or out.is_symlink():
+    if os.path.lexists(out):
         raise FileExistsError(f"{out} already exists; choose another `out` or remove it")
     if out.suffix.lower() != ".png":
         raise InputError(f"`out` must name a .png file, got {out}")

@@ -332,36 +332,28 @@ def load_tokenizer(directory: str | Path) -> Tokenizer:
         raise FileNotFoundError(f"{directory} holds no tokenizer ({SPEC_FILE} or {HF_FILE} is missing)")
     spec = read_json_object(spec_path)
     kind = spec.get("kind")
-    check(spec, SPEC_SCHEMAS.get(kind, {"kind": tuple(SPEC_SCHEMAS)}) if isinstance(kind, str) else {"kind": str},
-          str(spec_path), "copy the tokenizer's directory again")  # fmt: skip
-    if spec.get("kind") == "byte":
+    if not isinstance(kind, str) or kind not in SPEC_SCHEMAS:
+        raise InputError(f"{spec_path} names an unknown tokenizer kind {kind!r}")
+    check(spec, SPEC_SCHEMAS[kind], str(spec_path), "copy the tokenizer's directory again")
+    if kind == "byte":
         return ByteTokenizer()
-    if spec.get("kind") == "ids":
+    if kind == "ids":
         try:
-            return IdTokenizer(spec.get("vocab_size"))
+            return IdTokenizer(spec["vocab_size"])
         except InputError as err:
             raise InputError(f"{spec_path} is damaged: {err}") from None
-    if spec.get("kind") == "hf":
-        file, eot, stop, bos = spec.get("file", HF_FILE), spec.get("eot", EOT), spec.get("stop", []), spec.get("bos")
-        if not (
-            isinstance(file, str)
-            and Path(file).name == file
-            and isinstance(eot, str)
-            and isinstance(stop, list)
-            and all(isinstance(t, str) for t in stop)
-            and (bos is None or isinstance(bos, str))
-        ):
-            raise InputError(f"{spec_path} is damaged: file, eot, stop or bos has the wrong type")
-        tokenizer = HFTokenizer.from_file(directory / file, eot=eot, stop=stop, bos=bos)
-        recorded = spec.get("fingerprint")
-        if recorded is not None and recorded != tokenizer.fingerprint():
-            raise InputError(
-                f"{directory / file} is not the tokenizer {spec_path} was saved with (its fingerprint is "
-                f"{tokenizer.fingerprint()}, the spec records {recorded}): the file was replaced or edited; copy the "
-                "right one back (the data directory prepared with it holds it)"
-            )
-        return tokenizer
-    raise InputError(f"{spec_path} names an unknown tokenizer kind {spec.get('kind')!r}")
+    file, eot, stop, bos = spec.get("file", HF_FILE), spec.get("eot", EOT), spec.get("stop", []), spec.get("bos")
+    if Path(file).name != file:
+        raise InputError(f"{spec_path} is damaged: file {file!r} is not a file name in its directory")
+    tokenizer = HFTokenizer.from_file(directory / file, eot=eot, stop=stop, bos=bos)
+    recorded = spec.get("fingerprint")
+    if recorded is not None and recorded != tokenizer.fingerprint():
+        raise InputError(
+            f"{directory / file} is not the tokenizer {spec_path} was saved with (its fingerprint is "
+            f"{tokenizer.fingerprint()}, the spec records {recorded}): the file was replaced or edited; copy the "
+            "right one back (the data directory prepared with it holds it)"
+        )
+    return tokenizer
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int, out_dir: str | Path) -> HFTokenizer:

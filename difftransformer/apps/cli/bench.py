@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -94,13 +95,13 @@ def _check_json(args: argparse.Namespace) -> None:
         return
     path = Path(args.json)
     if args.what != "context":
-        if path.exists() or path.is_symlink():
+        if os.path.lexists(path):
             raise InputError(f"--json {path} already exists; choose another path (results are never written over)")
         return
     if path.suffix.lower() != ".json":
         raise InputError(f"--json {path} must name a .json file (the figure goes beside it, as .png)")
     figure = path.with_suffix(".png")
-    if not path.exists() and (figure.exists() or figure.is_symlink()):
+    if not path.exists() and os.path.lexists(figure):
         raise InputError(
             f"{figure} already exists and is not this new study's figure (bench context draws its figure beside the "
             "--json store, with .png): move it, or choose another --json path"

@@ -35,11 +35,10 @@ def _start_and_run(argv: list[str] | None) -> int:
     previous = {s: signal.getsignal(s) for s in STOPS} if main_thread else {}
     try:
         if signum := _start_up_interrupted():
-            return fail("difftx", f"stopped by {signal.Signals(signum).name}", code=128 + signum, label="interrupted")
+            return _interrupted("difftx", signum)
         return _main(argv)
     except KeyboardInterrupt as err:  # before the command started (imports, parsing): nothing was written
-        signum = getattr(err, "signum", signal.SIGINT)
-        return fail("difftx", f"stopped by {signal.Signals(signum).name}", code=128 + signum, label="interrupted")
+        return _interrupted("difftx", getattr(err, "signum", signal.SIGINT))
     finally:  # the handlers as they were (main may be called again, in a process that goes on)
         for signum, handler in previous.items():
             signal.signal(signum, handler)
@@ -106,14 +105,19 @@ def _raise_stopped(signum: int, _frame) -> None:
 def _stopped(where: str, err: KeyboardInterrupt) -> int:
     """The one line of a command stopped by a signal, with what was not written (or that nothing was left half
     written: every output is written whole or not at all)."""
-    signum = getattr(err, "signum", signal.SIGINT)
     discarded = getattr(err, "discarded", [])
     left = (
         f"{discarded[0]} was not written (nothing of it was left)"
         if discarded
         else "nothing half-written was left (every output is written whole or not at all)"
     )
-    return fail(where, f"stopped by {signal.Signals(signum).name}; {left}", code=128 + signum, label="interrupted")
+    return _interrupted(where, getattr(err, "signum", signal.SIGINT), left)
+
+
+def _interrupted(where: str, signum: int, left: str = "") -> int:
+    """``where: interrupted: stopped by SIGNAME[; left]``, and the exit code 128 + the signal's number."""
+    text = f"stopped by {signal.Signals(signum).name}" + (f"; {left}" if left else "")
+    return fail(where, text, code=128 + signum, label="interrupted")
 
 
 def _main(argv: list[str] | None) -> int:

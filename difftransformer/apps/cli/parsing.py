@@ -6,9 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import sys
-from pathlib import Path
 
 from difftransformer.errors import name_fields
 
@@ -130,7 +128,7 @@ INPUT, OUTPUT = PathArg("input"), PathArg("output")
 
 def check_paths(args: argparse.Namespace) -> None:
     """Apply the path rule to every path flag of ``args.parser`` (a flag not given, None, is the command's to fill)."""
-    from difftransformer.paths import check_output, refuse_empty, refuse_special
+    from difftransformer.paths import check_input, check_output
 
     for action in args.parser._actions:
         role = getattr(action.type, "role", None)
@@ -142,13 +140,8 @@ def check_paths(args: argparse.Namespace) -> None:
             check_utf8(value, flag)
             if role == OUTPUT.role:
                 check_output(value, flag)
-                continue
-            refuse_empty(value, flag)
-            try:
-                mode = os.stat(value).st_mode
-            except OSError:  # missing: the command says what to make or give
-                continue
-            refuse_special(Path(value), mode, flag)
+            else:  # a missing input: the command says what to make or give
+                check_input(value, flag, missing_ok=True)
 
 
 def at_least(low: int):
