@@ -12,7 +12,7 @@ comma := ,
 space := $(eval) $(eval)
 INTEROP_PYTHONS := $(subst $(space),$(comma),$(strip $(foreach v,$(INTEROP_VERSIONS),$(CURDIR)/.venv-tf$(v)/bin/python)))
 
-.PHONY: demo test test-quick test-interop test-floor lint format clean shell docs docs-serve
+.PHONY: demo test test-quick test-interop test-floor test-gpu-image lint format clean shell docs docs-serve
 
 # .venv in two layers: make demo installs what the demo needs (requirements-demo.txt: the library's runtime
 # dependencies, matplotlib, the kernel's build tools), make test everything in requirements-dev.txt on top (the same
@@ -84,6 +84,23 @@ test-interop: $(STAMP) $(INTEROP_STAMPS)
 test-floor: .venv-floor/.installed
 	PYTHONPATH=$(CURDIR) .venv-floor/bin/python -m pytest -q -p no:cacheprovider -m "not slow"
 
+# The GPU machine's versions (Python 3.12, torch 2.11, Triton 3.6, transformers 5.17 and the rest of its image,
+# pinned in tests/gpu_image), in .venv-gpu-image with this checkout on the path: the GPU rehearsal (gpu.sh --cpu, the
+# CUDA branch's code on the CPU), the device choices, the Triton compile tests and the compiled blocks' gradients run
+# there, so that the GPU's versions are no unknown the day one is lent (this found torch 2.11's compiled norms
+# getting no gradient). Python 3.12 where the machine has it (else $(PYTHON), which the log says).
+GPU_IMAGE_PYTHON ?= $(shell command -v python3.12 || echo $(PYTHON))
+.venv-gpu-image/.installed: tests/gpu_image/requirements.txt
+	test -x .venv-gpu-image/bin/python || $(GPU_IMAGE_PYTHON) -m venv .venv-gpu-image
+	.venv-gpu-image/bin/python -m pip install --quiet -r $<
+	touch $@
+
+test-gpu-image: .venv-gpu-image/.installed
+	.venv-gpu-image/bin/python -c 'import platform, torch, triton, transformers as t; print("versions: python", \
+		platform.python_version(), "torch", torch.__version__, "triton", triton.__version__, "transformers", t.__version__)'
+	PYTHONPATH=$(CURDIR) .venv-gpu-image/bin/python -m pytest -q -p no:cacheprovider \
+		tests/test_gpu_script.py tests/test_device_choices.py tests/test_triton_compile.py tests/test_layers.py
+
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
@@ -93,4 +110,4 @@ format: $(STAMP)
 	$(BIN)/ruff format .
 
 clean:
-	rm -rf $(VENV) .venv-tf* .venv-floor build *.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) .venv-tf* .venv-floor .venv-gpu-image build *.egg-info .pytest_cache .ruff_cache

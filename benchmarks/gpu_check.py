@@ -1,13 +1,17 @@
 """The GPU acceptance checks that benchmarks/gpu.sh runs: kernel parity against float64, the KV cache against the full
-forward, Hugging Face DiffLlama parity, training killed with SIGKILL and resumed (plainly, under torchrun with a
-real process group, and compiled), and peak memory. Each check prints one line, PASS, FAIL or SKIP with the reason
+forward, Hugging Face DiffLlama parity, training killed with SIGKILL and resumed (under torchrun with a process
+group of one), and compiled, and peak memory (reported). Each check prints one line, PASS, FAIL or SKIP with the reason
 and its numbers; one check that fails (or raises) prints FAIL with its error and the others still run. The exit
 status is the number of failed checks (at most 100).
 
-One configuration, two devices: every check takes its sizes from SIZES. ``--cpu`` runs the same checks with the same
-model configurations, sequence lengths and code paths on the CPU, changing only the device, the number of training
-steps and the training batch (CPU_CHANGES); what needs CUDA says SKIP with its reason. make test runs it that way
-(tests/test_gpu_script.py), so the GPU run's only unknown is the device itself.
+One configuration, one branch: every check takes its sizes from SIZES and runs the CUDA branch's code. ``--cpu`` is
+the rehearsal: it sets ``DIFFTX_REHEARSE=cuda`` (difftransformer.devices), so that CPU tensors take the CUDA branch's
+choices wherever the operation exists on the CPU: ``auto`` attention runs the padded SDPA method and decoding the
+PyTorch decode path, training autocasts to bfloat16 with the fused AdamW and pins its host batches, the Triton kernels
+run in Triton's interpreter at the GPU's tiles. What only a GPU can run (devices.GPU_ONLY) is printed with what runs in
+its place. The rehearsal changes sizes only where the CPU would take too long (CPU_CHANGES: the training run's batch
+and length, the interpreted Triton parity's lengths); make test runs it (tests/test_gpu_script.py), so the GPU run's
+only unknown is the device itself.
 
 Tolerances come from an error model, not constants:
 - a fast method in bfloat16 or float32 may err at most FACTOR times what the standard model's own attention (SDPA)
@@ -19,7 +23,8 @@ Tolerances come from an error model, not constants:
   a step's change, which the check measures and requires to be far above that tolerance; the compiled run may
   differ from the eager one by at most FACTOR times what bfloat16 autocast differs from float32 over the same steps.
 
-``--predict`` prints the GPU time each check is expected to take (an estimate from SIZES, see ``predict``).
+``--plan`` prints each part of gpu.sh with its predicted GPU time and its timeout (estimates from SIZES and stated
+assumptions: ``plan``).
 """
 
 from __future__ import annotations
@@ -47,8 +52,16 @@ SIZES = {
     "train": dict(preset="small", seq_len=1024, batch=16, steps=40, checkpoints=4, dtype="bfloat16"),
     "memory": dict(preset="small", seq=4096, batch=4),
 }
-# What the CPU run changes, for time only: training steps and batch.
-CPU_CHANGES = {"train": dict(batch=1, steps=4)}
+# What the rehearsal changes, for time only (2 CPU cores): the training run's batch and length (bfloat16 matrix
+# products run at about 6 GFLOP/s on a CPU without bfloat16 instructions: a step of 16 x 1024 tokens takes minutes;
+# the step count, checkpoints and kill points stay), and the interpreted Triton parity's shapes (the same half-head
+# sizes and the GPU's tiles, at lengths off the tiles; at the full shapes the interpreter takes about 12 minutes per
+# dtype).
+CPU_CHANGES = {
+    "train": dict(batch=2, seq_len=64),
+    "memory": dict(preset="tiny", seq=32, batch=1),  # for the unit test's fake memory statistics
+    "parity triton": [(1, 2, 1, 200, 64), (1, 2, 1, 130, 128)],
+}
 FACTOR = 2.0  # an error may be at most this many times the standard model's in the same comparison
 RESUME_REL = 2.0**-20  # float32 rounding: a few units in the last place of the largest weight
 CHECKS = ("parity", "cache", "hf", "train", "memory")
@@ -69,10 +82,13 @@ class Results:
         print(f"SKIP {name}: {why}", flush=True)
 
 
-def sizes(check: str, cpu: bool) -> dict:
-    """A check's sizes on this device: SIZES, with CPU_CHANGES on the CPU."""
-    base = SIZES[check]
-    return {**base, **(CPU_CHANGES.get(check, {}) if cpu else {})} if isinstance(base, dict) else base
+def sizes(check: str, cpu: bool) -> dict | list:
+    """A check's sizes on this device: SIZES, with CPU_CHANGES in the rehearsal."""
+    base = SIZES[check.split()[0]]
+    change = CPU_CHANGES.get(check) if cpu else None
+    if isinstance(base, dict):
+        return {**base, **(change or {})}
+    return change or base
 
 
 def max_error(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -145,19 +161,22 @@ def kernel_parity(device: torch.device, cpu: bool, results: Results) -> None:
     gradients of q, k, v and lambda, each within FACTOR times the standard model's own error (standard_budget)."""
     from difftransformer.apps.bench import diff_impls
     from difftransformer.core.attention.diff import differential_attention, method_of
+    from difftransformer.devices import GPU_ONLY
 
     methods = [m for m in diff_impls(device.type) if m != "plain"]
-    if cpu:
-        results.skip("parity triton", "needs CUDA (tests/test_triton.py runs these tiles in Triton's interpreter)")
-    for shape in SIZES["parity"]:
+    cells = [(method, shape) for method in methods for shape in sizes(f"parity {method}", cpu)]
+    for shape in dict.fromkeys(shape for _, shape in cells):
         for dtype in (torch.float32, torch.bfloat16):
             q, k, v, grad, lam = _parity_inputs(shape, dtype)
             exact = [x.clone().requires_grad_() for x in (q, k, v, lam)]
             ref = differential_attention(*exact, scale=shape[-1] ** -0.5)[0]
             ref_grads = torch.autograd.grad(ref, exact, grad)
             budget = standard_budget(q, k, v, grad, lam, dtype, device)
-            for method in methods:
+            for method in (m for m, at in cells if at == shape):
                 name = f"parity {method} {str(dtype)[6:]} T {shape[3]} d {shape[4]}"
+                if method == "triton" and cpu and dtype == torch.bfloat16:
+                    results.skip(name, "on a GPU only; in the rehearsal " + GPU_ONLY["the Triton kernels in bfloat16"])
+                    continue
                 x = [t.to(device, dtype).requires_grad_() for t in (q, k, v)] + [
                     lam.float().to(device).requires_grad_()
                 ]
@@ -253,8 +272,13 @@ def weights_error(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> flo
 
 
 def _descendants(pid: int) -> list[int]:
-    children = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
-    return [d for c in map(int, children) for d in (c, *_descendants(c))]
+    """Every process ``pid`` started, and theirs (psutil: the GPU machine's image has it, and may lack pgrep)."""
+    import psutil
+
+    try:
+        return [child.pid for child in psutil.Process(pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
 
 
 def _killed_and_resumed(launch: list[str], flags: list[str], run: Path, steps: int, seed: int) -> tuple[bool, str]:
@@ -262,14 +286,13 @@ def _killed_and_resumed(launch: list[str], flags: list[str], run: Path, steps: i
     random step after its first checkpoint, then resume it to the end; (whether the kill stopped it, what
     happened)."""
     from difftransformer.store.checkpoint import list_checkpoints
-    from difftransformer.store.runs import METRICS
+    from difftransformer.store.runs import last_logged_step
 
     kill_at = random.Random(seed).randint(steps // 4 + 1, max(steps // 4 + 1, steps // 2))
     proc = subprocess.Popen([*launch, *flags, "--out", str(run)])
     reached = 0
     while proc.poll() is None:
-        rows = (run / METRICS).read_text().splitlines() if (run / METRICS).is_file() else []
-        reached = json.loads(rows[-1])["step"] if rows else 0
+        reached = last_logged_step(run)
         if reached >= kill_at and list_checkpoints(run):
             for pid in [*_descendants(proc.pid), proc.pid]:
                 try:
@@ -284,7 +307,10 @@ def _killed_and_resumed(launch: list[str], flags: list[str], run: Path, steps: i
     if proc.returncode == 0 or newest.endswith(f"{steps:08d}"):
         return False, f"the run was not stopped by the kill at step {reached} (newest checkpoint {newest})"
     subprocess.run([*launch, *flags, "--resume", str(run)], check=True)
-    return True, f"killed at step {reached} (newest checkpoint {newest}), resumed"
+    return (
+        True,
+        f"killed at step {reached} (drawn from {steps // 4 + 1} to {steps // 2}; newest checkpoint {newest}), resumed",
+    )
 
 
 def train_flags(s: dict, data: Path, device: torch.device) -> list[str]:
@@ -301,8 +327,9 @@ def train_flags(s: dict, data: Path, device: torch.device) -> list[str]:
 
 
 def training(device: torch.device, cpu: bool, results: Results, out: Path) -> None:
-    """difftx train: uninterrupted; killed with SIGKILL at a random step and resumed, plainly and under torchrun with
-    a process group of one (NCCL on a GPU: the collectives run for real), each to the uninterrupted run's weights at
+    """difftx train: uninterrupted; killed with SIGKILL at a random step and resumed under torchrun with
+    a process group of one (NCCL on a GPU, gloo in the rehearsal; with one rank no collective communicates: this checks
+    that the group starts, wraps the model, saves and resumes under it), each to the uninterrupted run's weights at
     float32 rounding; compiled, within FACTOR times the difference bfloat16 autocast makes against float32."""
     from difftransformer.apps.demo import demo_data
 
@@ -325,7 +352,9 @@ def training(device: torch.device, cpu: bool, results: Results, out: Path) -> No
         f"which a resume that lost the optimizer state or the data order would show; the resume tolerance is "
         f"{RESUME_REL:.1e}",
     )
-    for name, launch in (("plain", train), ("torchrun ddp, 1 process", torchrun)):
+    # one killed run, under torchrun (a plain run's kill and resume is the same loop, which the CPU tests cover in
+    # depth; the GPU's time goes to what only it runs)
+    for name, launch in (("torchrun ddp, 1 process", torchrun),):
         run = runs / name.split()[0]
         killed, what = _killed_and_resumed(launch, flags, run, s["steps"], seed=len(name))
         error = weights_error(_checkpoint_weights(run), reference)
@@ -350,64 +379,129 @@ def training(device: torch.device, cpu: bool, results: Results, out: Path) -> No
 # --- memory -------------------------------------------------------------------------------------------------------
 
 
-def peak_memory(device: torch.device, cpu: bool, results: Results) -> None:
-    """Peak memory of one bfloat16 training step, DIFF (sdpa, triton) against the standard model."""
-    if device.type != "cuda":
-        results.skip("peak memory", "needs CUDA (torch.cuda.max_memory_allocated)")
-        return
+def peak_memory(device: torch.device, cpu: bool, results: Results, memory=None) -> dict[str, float] | None:
+    """Peak memory of one bfloat16 training step, DIFF (padded SDPA, and Triton where it runs) against the standard
+    model, in GiB: measured and reported, not judged (no bound predicted for it could be checked before a GPU has run
+    it). The padded SDPA method saves about 25% more activations than the standard model by construction (bench
+    train's activation columns). ``memory``: the CUDA memory statistics (``torch.cuda``; a test passes a fake)."""
+    memory = memory or (torch.cuda if device.type == "cuda" else None)
+    if memory is None:
+        results.skip("peak memory", "needs CUDA memory statistics (bench train counts saved activations instead)")
+        return None
     import torch.nn.functional as F
 
+    from difftransformer.apps.bench import diff_impls
     from difftransformer.core.config import ModelConfig
     from difftransformer.core.model import TransformerLM
 
     s, peaks = sizes("memory", cpu), {}
-    for name, attention, impl in (("diff-sdpa", "diff", "sdpa"), ("diff-triton", "diff", "triton"),
-                                  ("standard", "standard", "auto")):  # fmt: skip
+    models = [("diff-sdpa", "diff", "sdpa")] + [("diff-triton", "diff", "triton")] * (
+        "triton" in diff_impls(device.type, torch.bfloat16)
+    )
+    for name, attention, impl in [*models, ("standard", "standard", "auto")]:
         torch.manual_seed(0)
         cfg = ModelConfig.preset(s["preset"], attention=attention, attn_impl=impl, max_seq_len=s["seq"])
         model = TransformerLM(cfg).to(device)
         x = torch.randint(0, cfg.vocab_size, (s["batch"], s["seq"] + 1), device=device)
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        memory.synchronize()
+        memory.reset_peak_memory_stats()
+        with torch.autocast(device.type, dtype=torch.bfloat16):
             F.cross_entropy(model(x[:, :-1]).float().flatten(0, 1), x[:, 1:].flatten()).backward()
-        torch.cuda.synchronize()
-        peaks[name] = torch.cuda.max_memory_allocated() / 2**30
+        memory.synchronize()
+        peaks[name] = memory.max_memory_allocated() / 2**30
         del model, x
-        torch.cuda.empty_cache()
-    print(f"     peak memory of a training step ({s['preset']} preset, {s['batch']} x {s['seq']}, bf16): "
-          + ", ".join(f"{k} {v:.2f} GiB" for k, v in peaks.items()), flush=True)  # fmt: skip
-    for name in (k for k in peaks if k != "standard"):
-        ratio = peaks[name] / peaks["standard"]
-        results.report(f"peak memory {name}", ratio <= 1.25, f"{ratio:.2f} x the standard model's (<= 1.25)")
+        memory.empty_cache()
+    ratios = ", ".join(f"{k} {v / peaks['standard']:.2f} x the standard model's" for k, v in peaks.items()
+                       if k != "standard")  # fmt: skip
+    print(f"MEASURED peak memory of a training step ({s['preset']} preset, {s['batch']} x {s['seq']}, bf16): "
+          + ", ".join(f"{k} {v:.2f} GiB" for k, v in peaks.items()) + f"; {ratios} (reported, not judged)",
+          flush=True)  # fmt: skip
+    return peaks
 
 
-# --- the GPU time each check should take ----------------------------------------------------------------------------
+# --- the GPU time each part should take ------------------------------------------------------------------------------
 
-# Assumptions of the estimate: a process start (Python, torch, CUDA, the data) costs START s, torchrun adds TORCHRUN
-# s, torch.compile of the blocks COMPILE s; a training step runs at RATE FLOP/s but no faster than STEP_FLOOR s (a
-# small model's step is bound by kernel launches).
-START, TORCHRUN, COMPILE, RATE, STEP_FLOOR = 15.0, 10.0, 60.0, 1e14, 0.03
+# Assumptions of the estimate (no GPU has run this script yet: estimates, stated in gpu.sh's header as such): a process
+# start (Python, torch, the CUDA context) costs START s, torchrun's rendezvous TORCHRUN s more, one cold compile of a
+# Triton kernel (forward, dK/dV or dQ at one half-head size and dtype) TRITON s, torch.compile of the small preset's
+# blocks COMPILE s, preparing the built-in corpus DATA s (15 s on one core of the CPU this was written on); a training
+# step runs at RATE FLOP/s but no faster than STEP_FLOOR s (a small model's step is bound by kernel launches). Each
+# part's timeout is MARGIN times its prediction.
+START, TORCHRUN, TRITON, COMPILE, DATA, RATE, STEP_FLOOR = 10.0, 10.0, 3.0, 60.0, 20.0, 1e14, 0.03
+MARGIN = 1.5
+# gpu.sh's parts, in order: what each runs (the part's name in gpu.sh and in --plan)
+PARTS = ("GPU tests", "checks", "throughput", "study slice")
 
 
 def predict() -> dict[str, float]:
-    """Seconds each check should take on an H100 or H200, from SIZES and the assumptions above: an estimate, stated
-    in gpu.sh's header as one."""
+    """Seconds each check of this script should take on an H100 or H200, from SIZES and the assumptions above."""
     from difftransformer.apps.bench_machine import step_flops
     from difftransformer.core.config import ModelConfig
 
     s = SIZES["train"]
     cfg = ModelConfig.preset(s["preset"], max_seq_len=s["seq_len"])
     step = max(step_flops(cfg, s["batch"], s["seq_len"]) / RATE, STEP_FLOOR)
-    runs = 5  # reference, plain, torchrun, compiled, float32; the killed ones redo a few steps
-    starts = runs + 2  # and the two resumes
+    runs = 4  # reference, torchrun (killed, redoing a few steps), compiled, float32
+    starts = runs + 1  # and the resume
+    kernels = 3  # forward, dK/dV, dQ
     return {
-        "parity": START + 10,
+        "parity": len(SIZES["parity"]) * 2 * kernels * TRITON + 10,  # each shape's half-head size, in two dtypes
         "cache": 5.0,
         "hf": 10.0,
-        "train": starts * START + 2 * TORCHRUN + COMPILE + runs * s["steps"] * step * 1.25,
-        "memory": 10.0,
+        "train": DATA + starts * START + 2 * TORCHRUN + COMPILE + runs * s["steps"] * step * 1.25,
+        "memory": 10.0 + kernels * TRITON,  # the small preset's half-head size in bfloat16
     }
+
+
+def plan() -> dict[str, tuple[float, int]]:
+    """(predicted seconds, timeout) of each part of gpu.sh on an H100 or H200; the study slice's timeout is what it
+    needs to run (gpu.sh runs it only when that much of the budget is left)."""
+    parts = {
+        # pytest's start and collection, the kernels of the GPU tests that are not slow (half-heads of 16 and 32,
+        # float32, causal and not: about 12); the slow ones' tiles are part 2's parity at the real shapes
+        "GPU tests": START + 5 + 12 * TRITON,
+        "checks": START + sum(predict().values()),
+        # gpu_bench.py: one start; attention (the layer and core at T 2048 and 8192, the Triton kernels compiled
+        # by part 2 already), training steps of the small preset at the same lengths, decode at batch 1 and 8
+        "throughput": START + 3 * TRITON + 20 + 15 + 12,
+        # repro lm --scale gpu --part sweep --steps 12: 8 runs, each a start, 12 steps and 1M evaluation tokens
+        "study slice": 8 * (START + 30),
+    }
+    return {name: (seconds, math.ceil(MARGIN * seconds)) for name, seconds in parts.items()}
+
+
+def start_rehearsal() -> None:
+    """The CUDA branch on the CPU, in this process and the ones it starts: the CUDA choices (devices.rehearse), no GPU
+    even on a GPU machine, Triton's interpreter (set before Triton is imported) at the GPU's tiles."""
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    os.environ["TRITON_INTERPRET"] = "1"
+    from difftransformer.core.attention import triton_diff
+    from difftransformer.devices import rehearse
+
+    rehearse("cuda")
+    triton_diff.INTERPRETER_TILES = None  # the GPU's tiles (TILES), not the interpreter's small ones
+
+
+def branch_report(device: torch.device) -> str:
+    """The methods and settings this run takes (``devices.choices``), in words; in the rehearsal also what only a GPU
+    runs and what runs in its place."""
+    from difftransformer.apps.bench import auto_methods, diff_impls
+    from difftransformer.devices import GPU_ONLY, choices, rehearsing
+
+    c, methods = choices(device), auto_methods(device)
+    attention, decode = methods["attention"], methods["decode"]
+    triton = "triton" in diff_impls(device.type)
+    triton = ("interpreted, at the GPU tiles" if device.type == "cpu" else "compiled") if triton else "not run"
+    lines = [
+        f"branch: {c.branch} choices on {device.type} tensors: attention auto = {attention}; decode = {decode}; "
+        f"Triton {triton}; "
+        f"autocast {str(c.autocast).removeprefix('torch.')}; AdamW {'fused' if c.fused_adamw else 'foreach'}; "
+        f"host batches {'pinned' if c.pin_batches else 'not pinned'}; process group {c.backend}"
+    ]
+    if rehearsing():
+        lines += ["what only a GPU runs, and what the rehearsal runs in its place:"]
+        lines += [f"  - {what}: {instead}" for what, instead in GPU_ONLY.items()]
+    return "\n".join(lines)
 
 
 def main() -> int:
@@ -415,20 +509,23 @@ def main() -> int:
     parser.add_argument("--out", type=Path, help="where the runs and results go (a new directory; required to run)")
     parser.add_argument("--cpu", action="store_true", help="on the CPU: the same checks, fewer training steps")
     parser.add_argument("--only", nargs="*", choices=CHECKS, default=None, help="run these checks only")
-    parser.add_argument("--predict", action="store_true", help="print each check's predicted GPU seconds and exit")
+    parser.add_argument(
+        "--plan", action="store_true", help="print each part of gpu.sh: name, predicted GPU seconds, timeout; and exit"
+    )
     args = parser.parse_args()
-    if args.predict:
-        predicted = predict()
-        print(" ".join(f"{k} {v:.0f}" for k, v in predicted.items()) + f" total {sum(predicted.values()):.0f}")
+    if args.plan:
+        for name, (seconds, timeout) in plan().items():
+            print(f"{name}\t{seconds:.0f}\t{timeout}")
         return 0
     if args.out is None:
         parser.error("--out is required")
     if args.cpu:
-        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # children too: the same code on the CPU, even on a GPU machine
+        start_rehearsal()
     device = torch.device("cpu" if args.cpu else "cuda")
     if device.type == "cuda" and not torch.cuda.is_available():
         print("no CUDA device: run with --cpu on a CPU", file=sys.stderr)
         return 2
+    print(branch_report(device), flush=True)
     results = Results()
     checks = {
         "parity": lambda: kernel_parity(device, args.cpu, results),

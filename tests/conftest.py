@@ -13,6 +13,9 @@ if not torch.cuda.is_available():
 from difftransformer.core.attention import cpu_kernel  # noqa: E402
 from difftransformer.errors import OPTIONAL_EXTRA  # noqa: E402
 
+# the tests and benchmarks/gpu_check.py share the reader of a running run's last step
+from difftransformer.store.runs import last_logged_step  # noqa: E402, F401
+
 # lambda_init = 0.8 - 0.6 exp(-0.3 l) for layers l = 0..12, to 4 decimals (docs/paper.md section 1), written out so
 # that no test re-types the formula it checks
 LAMBDA_INIT = (0.2, 0.3555, 0.4707, 0.5561, 0.6193, 0.6661, 0.7008, 0.7265, 0.7456, 0.7597, 0.7701, 0.7779, 0.7836)
@@ -118,16 +121,6 @@ def metric_rows(run_dir) -> list[dict]:
     from pathlib import Path
 
     return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
-
-
-def last_logged_step(run_dir) -> int:
-    """The step of the last complete row of a running run's metrics.jsonl (0 before the first): the text after the
-    last newline may be a row still being written, which metric_rows would fail to parse."""
-    from pathlib import Path
-
-    path = Path(run_dir) / "metrics.jsonl"
-    lines = path.read_text().split("\n")[:-1] if path.exists() else []
-    return json.loads(lines[-1])["step"] if lines else 0
 
 
 def losses(run_dir) -> list[tuple[int, float]]:

@@ -116,7 +116,7 @@ def test_bench_train_times_the_trainers_step(monkeypatch):
         return real(model, optimizer, micro_batches, lr, grad_clip, device, amp)
 
     monkeypatch.setattr(step, "optimizer_step", spy)
-    result = bench.bench_train("tiny", [16], batch=2, repeats=1, dtype=torch.bfloat16)
+    result = bench.bench_train("tiny", [16], batch=2, repeats=1, dtype=torch.bfloat16, matmul=128)
     names = set(result["rows"][0]["seconds"])
     assert len(calls) == 2 * len(names)  # a warm-up and a timed step of each model
     for model, optimizer, shape, amp in calls:

@@ -1,6 +1,6 @@
 """What a GPU run gets by default, checked on CPU where it can be: the optimizer's implementation chosen by device
 and its on-device skip of a non-finite step, FSDP2's mixed-precision policy, TF32 for float32 runs on Ampere and
-newer, and batches copied from pinned memory without waiting."""
+newer (batches copied from pinned memory: tests/test_device_choices.py)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,6 @@ from difftransformer.training.step import (
     optimizer_step,
     precision,
     tf32_applies,
-    to_device,
 )
 
 
@@ -78,26 +77,3 @@ def test_tf32_for_float32_runs_on_ampere_and_newer_only():
     assert precision(None, False, "ddp") == "float32"
     assert precision(torch.bfloat16, False, "ddp") == "bfloat16 autocast (float32 weights)"
     assert precision(torch.bfloat16, False, "fsdp").startswith("bfloat16 (FSDP2 mixed precision")
-
-
-class _Recorded:
-    """Stands for a CPU batch: records what to_device asks of it."""
-
-    def __init__(self) -> None:
-        self.calls: list[tuple] = []
-
-    def pin_memory(self):
-        self.calls.append(("pin_memory",))
-        return self
-
-    def to(self, device, non_blocking=False):
-        self.calls.append(("to", device, non_blocking))
-        return self
-
-
-def test_batches_go_to_a_gpu_from_pinned_memory_without_waiting():
-    batch = _Recorded()
-    to_device(batch, torch.device("cuda", 0))
-    assert batch.calls == [("pin_memory",), ("to", torch.device("cuda", 0), True)]
-    x = torch.arange(4)
-    assert to_device(x, torch.device("cpu")) is x  # on the CPU: the batch itself, no copy

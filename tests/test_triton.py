@@ -135,7 +135,7 @@ def test_model_training_step_matches_block_path():
 
 def test_cpu_tensors_without_the_interpreter_get_a_clear_error(monkeypatch):
     q, k, v, lam = (t.detach().cpu() for t in _inputs(1, 2, 2, 8, 8, 16))
-    monkeypatch.setattr(triton_diff, "_interpreting", lambda: False)
+    monkeypatch.setattr(triton_diff, "interpreting", lambda: False)
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
         triton_diff.diff_attention_triton(q, k, v, lam, 0.25, True)
 

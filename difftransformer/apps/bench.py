@@ -13,12 +13,13 @@ from pathlib import Path
 
 import torch
 
-from difftransformer.apps.bench_machine import MATMUL_SIZE, matmul_rate, step_flops
+from difftransformer.apps.bench_machine import matmul_rate, matmul_size, step_flops
 from difftransformer.core.attention import MultiheadAttention, MultiheadDiffAttn
 from difftransformer.core.attention.diff import method_of
 from difftransformer.core.attention.kernels import standard_attention
 from difftransformer.core.config import ModelConfig
 from difftransformer.core.model import TransformerLM
+from difftransformer.devices import choices, host_batch
 from difftransformer.inference.cache import KVCache
 from difftransformer.progress import Progress
 
@@ -41,13 +42,29 @@ def machine() -> dict:
     }
 
 
+ATTENTION_METHODS = {
+    "sdpa": "padded SDPA",
+    "triton": "the Triton kernels (padded SDPA where they do not apply)",
+    "by-size": "the fused block kernel (SDPA for small heads and short rows)",
+}
+DECODE_METHODS = {"torch": "the PyTorch decode path", "kernel": "the fused CPU decode kernel"}
+
+
+def auto_methods(device: str | torch.device) -> dict[str, str]:
+    """What ``impl="auto"`` runs on ``device`` (``devices.choices``), in words: for training and prefill, and for
+    decoding from a cache."""
+    c = choices(torch.device(device))
+    return {"branch": c.branch, "attention": ATTENTION_METHODS[c.attention], "decode": DECODE_METHODS[c.decode]}
+
+
 def _result(benchmark: str, shapes: dict, repeats: int, rows: list[dict], device="cpu", dtype=torch.float32) -> dict:
-    """The record every benchmark returns (and --json writes): what ran, where, on which shapes."""
+    """The record every benchmark returns (and --json writes): what ran, where, on which shapes, by which methods."""
     return {
         "benchmark": benchmark,
         "machine": machine(),
         "device": str(device),
         "dtype": str(dtype).removeprefix("torch."),
+        "methods": auto_methods(device),
         "shapes": shapes,
         "repeats": repeats,
         "rows": rows,
@@ -57,18 +74,39 @@ def _result(benchmark: str, shapes: dict, repeats: int, rows: list[dict], device
 def _title(result: dict) -> str:
     m = result["machine"]
     where = f"{m['cuda']} (host {m['cpu']})" if result.get("device", "cpu").startswith("cuda") else m["cpu"]
-    return f"{result['benchmark']} benchmark: {where}, torch {m['torch']}, {m['threads']} thread(s), {result['dtype']}"
+    branch = result.get("methods", {}).get("branch", "cpu")
+    rehearsed = ", the CUDA branch's methods rehearsed on the CPU" if branch == "cuda" and "cuda" not in where else ""
+    return (
+        f"{result['benchmark']} benchmark: {where}, torch {m['torch']}, {m['threads']} thread(s), {result['dtype']}"
+        f"{rehearsed}"
+    )
 
 
-def triton_available() -> bool:
-    """Whether the optional Triton kernels can run here (a CUDA GPU and the triton package)."""
-    if not torch.cuda.is_available():
-        return False
+def _methods_line(result: dict, *columns: str) -> str:
+    """Which method each column ran: our DIFF's ``auto`` by the device's choices (a result written before the
+    record existed says nothing)."""
+    methods = result.get("methods")
+    if methods is None:
+        return ""
+    words = {
+        "diff": f"DIFF = our DIFF, attention auto: {methods['attention']}",
+        "decode": f"DIFF decodes through {methods['decode']}",
+        "standard": "standard = our standard model, PyTorch's SDPA",
+        "hf": "HF = transformers' DiffLlama with its SDPA attention",
+        "triton": "DIFF-triton = our DIFF with the Triton kernels",
+    }
+    return "Methods: " + "; ".join(words[c] for c in columns)
+
+
+def triton_available(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether the optional Triton kernels can run here in ``dtype``: the triton package, and a CUDA GPU or Triton's
+    interpreter (TRITON_INTERPRET=1, as the GPU rehearsal sets it) in float32 (the interpreter multiplies bfloat16
+    operands of tl.dot as their raw 16-bit integers: devices.GPU_ONLY)."""
     try:
-        import triton  # noqa: F401
+        from difftransformer.core.attention import triton_diff
     except ImportError:
         return False
-    return True
+    return torch.cuda.is_available() or (triton_diff.interpreting() and dtype == torch.float32)
 
 
 def _sync() -> None:
@@ -150,10 +188,11 @@ class _HFDiffLlamaAttention(torch.nn.Module):
         return self.attn(x, position_embeddings=self.rotary(x, positions), attention_mask=mask)[0]
 
 
-def diff_impls(device: str) -> tuple[str, ...]:
-    """Our DIFF methods worth timing on a device: the block method is the CPU one, Triton needs a GPU."""
-    if str(device).startswith("cuda"):
-        return ("sdpa", "plain", "triton") if triton_available() else ("sdpa", "plain")
+def diff_impls(device: str, dtype: torch.dtype = torch.float32) -> tuple[str, ...]:
+    """Our DIFF methods worth timing on a device in ``dtype`` (``devices.choices``): the CUDA branch's are sdpa and
+    Triton, the CPU's sdpa and the block method."""
+    if choices(torch.device(device)).branch == "cuda":
+        return ("sdpa", "plain", "triton") if triton_available(dtype) else ("sdpa", "plain")
     return ("sdpa", "block", "plain")
 
 
@@ -169,7 +208,7 @@ def bench_attention(
 ) -> dict:
     """One attention layer of width ``dim``: DIFF (heads/2 differential heads) by impl vs standard (heads heads)."""
     torch.manual_seed(0)
-    layers = {impl: MultiheadDiffAttn(dim, heads // 2, 0, impl=impl) for impl in diff_impls(device)}
+    layers = {impl: MultiheadDiffAttn(dim, heads // 2, 0, impl=impl) for impl in diff_impls(device, dtype)}
     layers["standard"] = MultiheadAttention(dim, heads, 0)
     try:
         for impl in ("sdpa", "eager"):
@@ -178,8 +217,8 @@ def bench_attention(
         pass
     for layer in layers.values():
         layer.to(device, dtype)
-    calls = sum((2 * len(_timed_layers(layers, t, plain_max_seq)) + 1 + len(_timed_cores(device, t, plain_max_seq)))
-                * (1 + repeats) for t in seqs)  # fmt: skip
+    calls = sum((2 * len(_timed_layers(layers, t, plain_max_seq)) + 1
+                 + len(_timed_cores(device, t, plain_max_seq, dtype))) * (1 + repeats) for t in seqs)  # fmt: skip
     with _Calls.tracking("attention", calls):
         rows = [_attention_rows(layers, t, dim, heads, batch, repeats, plain_max_seq, device, dtype) for t in seqs]
     rows = [row for three in rows for row in three]
@@ -210,7 +249,7 @@ def _attention_rows(layers, t, dim, heads, batch, repeats, plain_max_seq, device
     rows = [{"seq": t, "direction": d, "seconds": res} for d, res in (("forward", fwd), ("forward+backward", fb))]
     core = _core_inputs(batch, heads, dim // heads, t, device, dtype)
     fns = {"standard": partial(_core_standard, *core["standard"])}
-    fns |= {impl: partial(_core_diff, impl, *core["diff"]) for impl in _timed_cores(device, t, plain_max_seq)}
+    fns |= {impl: partial(_core_diff, impl, *core["diff"]) for impl in _timed_cores(device, t, plain_max_seq, dtype)}
     rows.append({"seq": t, "direction": "core forward+backward", "seconds": median_times(fns, repeats)})
     return rows
 
@@ -220,9 +259,9 @@ def _timed_layers(layers: dict, t: int, plain_max_seq: int) -> list[str]:
     return [n for n in layers if n not in ("plain", "hf-eager") or t <= plain_max_seq]
 
 
-def _timed_cores(device: str, t: int, plain_max_seq: int) -> list[str]:
+def _timed_cores(device: str, t: int, plain_max_seq: int, dtype: torch.dtype) -> list[str]:
     """Our DIFF methods whose attention core is timed at length t (besides the standard core)."""
-    return [i for i in diff_impls(device) if i != "plain" or t <= plain_max_seq]
+    return [i for i in diff_impls(device, dtype) if i != "plain" or t <= plain_max_seq]
 
 
 def _forward_backward(module: torch.nn.Module, x: torch.Tensor) -> None:
@@ -266,7 +305,8 @@ def format_attention(result: dict) -> str:
         f"batch {s['batch']}, width {s['dim']}: DIFF {s['diff_heads']} heads vs standard {s['standard_heads']} heads "
         f"of size {s['head_dim']}; medians of {result['repeats']} interleaved repeats after warm-up. Columns: "
         "standard = our baseline; sdpa, block, plain, triton = our DIFF methods; hf-* = transformers DiffLlama. "
-        "core = the attention core alone (no projections, rotary or norm)",
+        "core = the attention core alone (no projections, rotary or norm)"
+        + (f"; auto on this device runs {result['methods']['attention']}" if "methods" in result else ""),
         "",
         "| T | direction | "
         + " | ".join(f"{n} ms" for n in names)
@@ -352,22 +392,24 @@ def bench_train(
     repeats: int = 3,
     device: str = "cpu",
     dtype: torch.dtype = torch.float32,
+    matmul: int | None = None,
 ) -> dict:
     """A training step as the trainer takes it (float32 weights, autocast to ``dtype`` when it is not float32, the
     trainer's fused AdamW, clipping) and its activation memory: our DIFF, our standard, and Hugging Face DiffLlama
     (its SDPA attention) built from our DIFF model's config and weights. With a GPU and Triton, also our DIFF with
     the Triton kernel (``diff-triton``). Utilisation is measured against a matrix product in the same dtype and TF32
-    setting."""
+    setting: a product of ``matmul`` x ``matmul`` (``bench_machine.matmul_size`` by default)."""
     from difftransformer.training.step import use_tf32
 
     seqs = seqs or [256, 1024, 2048]
     amp = None if dtype == torch.float32 else dtype
     tf32 = use_tf32(torch.device(device), amp)  # as the trainer sets it
-    n_models = 2 + ("triton" in diff_impls(device)) + (importlib.util.find_spec("transformers") is not None)
-    rates = [matmul_rate(device=device, dtype=dtype)]  # the machine's limit, before and after the steps (the larger)
+    n_models = 2 + ("triton" in diff_impls(device, dtype)) + (importlib.util.find_spec("transformers") is not None)
+    matmul = matmul or matmul_size(device)
+    rates = [matmul_rate(matmul, device=device, dtype=dtype)]  # the machine's limit, before and after (the larger)
     with _Calls.tracking("train", len(seqs) * n_models * (1 + repeats)):
         rows = [_train_row(preset, t, batch, repeats, device, amp) for t in seqs]
-    rates.append(matmul_rate(device=device, dtype=dtype))
+    rates.append(matmul_rate(matmul, device=device, dtype=dtype))
     cfg = ModelConfig.preset(preset)
     result = _result(
         "train",
@@ -385,7 +427,7 @@ def bench_train(
         dtype,
     )
     result["step"] = "trainer: float32 weights" + (f", {str(dtype)[6:]} autocast" if amp else "") + ", fused AdamW"
-    result["matmul"] = {"size": MATMUL_SIZE, "dtype": str(dtype)[6:], "tf32": tf32, "flops_per_s": rates}
+    result["matmul"] = {"size": matmul, "dtype": str(dtype)[6:], "tf32": tf32, "flops_per_s": rates}
     return result
 
 
@@ -396,7 +438,7 @@ def _train_row(preset: str, t: int, batch: int, repeats: int, device: str, amp: 
     for attention in ("diff", "standard"):
         torch.manual_seed(0)
         models[attention] = TransformerLM(ModelConfig.preset(preset, attention=attention, max_seq_len=t))
-    if "triton" in diff_impls(device):
+    if "triton" in diff_impls(device, amp or torch.float32):
         models["diff-triton"] = TransformerLM(ModelConfig.preset(preset, max_seq_len=t, attn_impl="triton"))
         models["diff-triton"].load_state_dict(models["diff"].state_dict())
     try:
@@ -410,10 +452,13 @@ def _train_row(preset: str, t: int, batch: int, repeats: int, device: str, amp: 
     for m in models.values():
         m.to(device)  # float32 weights, as the trainer keeps them
     vocab = models["diff"].config.vocab_size
-    x = torch.randint(0, vocab, (batch, t + 1), device=device)  # t tokens in, t targets
+    # t tokens in, t targets: a host batch, as the trainer's loader makes it (each step copies it to the device, from
+    # pinned memory on a GPU)
+    x = host_batch(torch.randint(0, vocab, (batch, t + 1)))
     optimizers = {n: trainer_optimizer(m) for n, m in models.items()}
     seconds = median_times({n: partial(trainer_step, m, optimizers[n], x, amp) for n, m in models.items()}, repeats)
-    memory = {n: saved_activation_bytes(partial(_autocast_loss, m, x, amp)) for n, m in models.items()}
+    on_device = x.to(device)
+    memory = {n: saved_activation_bytes(partial(_autocast_loss, m, on_device, amp)) for n, m in models.items()}
     for m in models.values():
         m.zero_grad(set_to_none=True)
     # HF DiffLlama and diff-triton do DIFF's count
@@ -428,6 +473,9 @@ def format_train(result: dict) -> str:
         f"preset {s['preset']} (d_model {s['d_model']}, {s['n_layers']} layers, head size {s['head_dim']}), batch "
         f"{s['batch']}; step = forward + backward + AdamW ({result.get('step', 'plain AdamW, weights in the dtype')}), "
         f"median of {result['repeats']} interleaved repeats; activations = bytes autograd saves for backward",
+        _methods_line(
+            result, "diff", "standard", "hf", *["triton"][: any("diff-triton" in r["seconds"] for r in result["rows"])]
+        ),  # fmt: skip
         "",
         "| T | standard ms | DIFF ms | HF DiffLlama ms | DIFF/standard | DIFF/HF | activations std MiB | DIFF MiB | "
         "HF MiB | DIFF/HF memory | DIFF/std memory |",
@@ -556,8 +604,37 @@ def _decode_rows(
                 else:
                     samples[name] += _decode_seconds(model, context, tokens, batch)
                 _Calls.tick(f"{name} at context {context}")
-        rows.append({"context": context, "tokens_per_s": {n: batch / statistics.median(t) for n, t in samples.items()}})
+        ops = {n: ops_per_step(m, context, batch) for n, m in models.items() if isinstance(m, TransformerLM)}
+        rows.append(
+            {
+                "context": context,
+                "tokens_per_s": {n: batch / statistics.median(t) for n, t in samples.items()},
+                "ops_per_step": ops,
+            }
+        )
     return rows
+
+
+def ops_per_step(model: TransformerLM, context: int, batch: int = 1) -> int:
+    """How many operations one decode step after a prefill of ``context`` tokens dispatches (PyTorch's and our
+    kernels', counted below autograd and autocast): on a GPU each launches one kernel or more."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    device = model.embed.weight.device
+    cache = KVCache(model, batch, context + 1)
+    with torch.no_grad():
+        model(torch.randint(0, model.config.vocab_size, (batch, context), device=device), cache=cache)
+        token = torch.zeros(batch, 1, dtype=torch.long, device=device)
+        with Count():
+            model(token, cache=cache)
+    return Count.calls
 
 
 def bench_decode(
@@ -622,14 +699,19 @@ def format_decode(result: dict) -> str:
         f"preset {s['preset']} (d_model {s['d_model']}, {s['n_layers']} layers, DIFF {s['diff_heads']} heads vs "
         f"standard {s['standard_heads']} of size {s['head_dim']}), batch {s['batch']}; per repeat the mean of "
         f"{s['new_tokens']} one-token steps run back to back after a prefill (no host read between them), median over "
-        f"{result['repeats']} repeats",
+        f"{result['repeats']} repeats; ops = the operations one decode step dispatches (on a GPU each launches a "
+        "kernel or more: at batch 1 a small model's step is bound by launches)",
+        _methods_line(result, "decode", "standard"),
         "",
-        "| context | standard tokens/s | DIFF tokens/s | DIFF / standard |",
-        "|---|---|---|---|",
+        "| context | standard tokens/s | DIFF tokens/s | DIFF / standard | standard ops | DIFF ops |",
+        "|---|---|---|---|---|---|",
     ]
     for row in result["rows"]:
-        t = row["tokens_per_s"]
-        lines.append(f"| {row['context']} | {t['standard']:.1f} | {t['diff']:.1f} | {t['diff'] / t['standard']:.2f} |")
+        t, ops = row["tokens_per_s"], row.get("ops_per_step", {})
+        lines.append(
+            f"| {row['context']} | {t['standard']:.1f} | {t['diff']:.1f} | {t['diff'] / t['standard']:.2f} | "
+            f"{ops.get('standard', '-')} | {ops.get('diff', '-')} |"
+        )
     if "diff-compiled" in result["rows"][0]["tokens_per_s"]:
         lines += [
             "",

@@ -29,6 +29,7 @@ import torch
 from difftransformer.apps.bench import _Logits, _result, trainer_optimizer, trainer_step
 from difftransformer.core.config import ModelConfig
 from difftransformer.core.model import TransformerLM
+from difftransformer.devices import host_batch
 from difftransformer.errors import InputError
 from difftransformer.fsutil import read_json_object, write_json
 from difftransformer.inference.cache import KVCache
@@ -57,6 +58,7 @@ STORE_SCHEMA = {
     "machine": {"cpu": str, "cuda": (str, None), "torch": str, "threads": int, "python": str},
     "device": str,
     "dtype": str,
+    "methods?": {"branch": str, "attention": str, "decode": str},  # what auto ran (a study started before: none)
     "shapes": {"preset": str, "batch": int},
     "repeats": int,
     "rows": [_ROW],
@@ -242,7 +244,7 @@ def _train(model):
 
     def step(_, t: int, batch: int) -> None:
         lm.train()
-        trainer_step(lm, optimizer, torch.randint(0, vocab, (batch, t + 1)))  # t tokens in, t targets
+        trainer_step(lm, optimizer, host_batch(torch.randint(0, vocab, (batch, t + 1))))  # t tokens in, t targets
 
     return step
 

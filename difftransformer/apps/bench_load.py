@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 
+from difftransformer.devices import host_batch
 from difftransformer.threads import SPIN, WAIT_POLICY
 
 # (label, threads, the OpenMP environment: nothing set is OpenMP's default); "N" stands for the --threads compared
@@ -123,7 +124,7 @@ def _time_steps(spec_json: str) -> None:
     config = ModelConfig.preset(spec["preset"], attention=spec["attention"], max_seq_len=spec["seq"] + 16)
     model = TransformerLM(config)
     optimizer = trainer_optimizer(model)
-    x = torch.randint(0, config.vocab_size, (spec["batch"], spec["seq"] + 1))
+    x = host_batch(torch.randint(0, config.vocab_size, (spec["batch"], spec["seq"] + 1)))
     out: dict[str, list[float]] = {"training step": [], "decode step": []}
     for i in range(spec["repeats"] + 1):
         start = time.perf_counter()

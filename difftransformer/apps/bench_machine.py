@@ -12,8 +12,12 @@ from difftransformer.core.config import ModelConfig
 from difftransformer.core.model import TransformerLM
 
 # The matrix product that stands for the machine's limit: large enough that its fixed costs vanish (2 n^3 = 17
-# GFLOP, a fraction of a second on one core), small enough (3 x 16 MiB) to run anywhere.
+# GFLOP, a fraction of a second on one core), small enough (3 x 16 MiB) to run anywhere. On a GPU a larger one (1.1
+# TFLOP, about 2 ms on an H100), timed with CUDA events over a warm loop: one synchronised 2048^3 product there takes
+# tens of microseconds, so launch and synchronisation overhead would lower the reference.
 MATMUL_SIZE = 2048
+CUDA_MATMUL_SIZE = 8192
+CUDA_LOOP = 10
 
 
 def step_flops(config: ModelConfig, batch: int, t: int) -> int:
@@ -53,24 +57,39 @@ def _attention_width(config: ModelConfig) -> int:
     return heads * d
 
 
+def matmul_size(device: str) -> int:
+    """The size of the reference product on ``device``."""
+    return CUDA_MATMUL_SIZE if str(device).startswith("cuda") else MATMUL_SIZE
+
+
 def matmul_rate(
-    size: int = MATMUL_SIZE, repeats: int = 5, device: str = "cpu", dtype: torch.dtype = torch.float32
+    size: int | None = None, repeats: int = 5, device: str = "cpu", dtype: torch.dtype = torch.float32
 ) -> float:
     """The machine's matrix-product rate in ``dtype`` in FLOP/s (float32 with TF32 where PyTorch's switch has it on):
-    the median of ``repeats`` timed ``torch.mm`` of two ``size`` x ``size`` matrices after one warm-up, at torch's
-    current thread count."""
+    the median of ``repeats`` timed ``torch.mm`` of two ``size`` x ``size`` matrices (``matmul_size`` by default)
+    after a warm-up, at torch's current thread count; on a GPU each repeat is a loop of CUDA_LOOP products timed
+    with CUDA events."""
+    size = size or matmul_size(device)
     g = torch.Generator().manual_seed(0)
     a = torch.randn(size, size, generator=g).to(device, dtype)
     b = torch.randn(size, size, generator=g).to(device, dtype)
     out = torch.empty(size, size, device=device, dtype=dtype)
+    cuda = str(device).startswith("cuda")
+    loop = CUDA_LOOP if cuda else 1
     times = []
     for i in range(repeats + 1):
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        torch.mm(a, b, out=out)
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
-        if i:  # the first call warms up
-            times.append(time.perf_counter() - start)
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(loop):
+                torch.mm(a, b, out=out)
+            end.record()
+            end.synchronize()
+            seconds = start.elapsed_time(end) / 1e3
+        else:
+            start = time.perf_counter()
+            torch.mm(a, b, out=out)
+            seconds = time.perf_counter() - start
+        if i:  # the first repeat warms up
+            times.append(seconds / loop)
     return 2 * size**3 / statistics.median(times)

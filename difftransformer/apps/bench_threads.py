@@ -18,6 +18,7 @@ from difftransformer.apps.bench import (
 )
 from difftransformer.core.config import ModelConfig
 from difftransformer.core.model import TransformerLM
+from difftransformer.devices import host_batch
 
 
 def _at(threads: int, fn) -> None:
@@ -66,7 +67,7 @@ def _steps(preset: str, batch: int, t: int) -> dict:
     for attention in ("diff", "standard"):
         torch.manual_seed(0)
         model = TransformerLM(ModelConfig.preset(preset, attention=attention, max_seq_len=t))
-        x = torch.randint(0, model.config.vocab_size, (batch, t + 1)) if x is None else x  # t tokens in
+        x = host_batch(torch.randint(0, model.config.vocab_size, (batch, t + 1))) if x is None else x  # t tokens in
         fns[attention] = partial(trainer_step, model, trainer_optimizer(model), x)
     return fns
 

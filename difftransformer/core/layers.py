@@ -90,8 +90,11 @@ def _rms_forward(x, weight, eps):
 def _normalised(x, rstd, weight):
     y = x.to(rstd.dtype) * rstd
     if weight is not None:
-        y.mul_(weight)
-    return y.to(x.dtype)
+        y = y * weight
+    # neither an in-place product nor a .to() that returns y itself: torch 2.11's torch.compile, tracing an
+    # autograd.Function whose forward returns a tensor so made, dropped the gradient of its other inputs (the norms'
+    # weights got none; tests/test_compile.py)
+    return y if y.dtype == x.dtype else y.to(x.dtype)
 
 
 def _rms_backward(grad, x, rstd, weight, weight_grad: bool):

@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from difftransformer.devices import host_batch
 from difftransformer.errors import ConfigError, Fields, InputError
 from difftransformer.fsutil import read_json_object, write_new_dir, write_text_atomic
 from difftransformer.schema import check
@@ -422,7 +423,7 @@ class WindowSampler:
         starts = rng.integers(0, self.data.n_tokens - self.seq_len, size=self.global_batch)
         size = self.global_batch // parts
         rows = [self.data.window(int(s), self.seq_len + 1) for s in starts[part * size : (part + 1) * size]]
-        tokens = torch.from_numpy(np.stack(rows))
+        tokens = host_batch(torch.from_numpy(np.stack(rows)))
         return tokens[:, :-1], tokens[:, 1:]
 
 

@@ -134,6 +134,13 @@ def read_metrics(run_dir: Path) -> tuple[list[dict], list[int]]:
     return rows, torn
 
 
+def last_logged_step(run_dir: Path) -> int:
+    """The step of the last complete row of a run's metrics.jsonl, 0 before the first: for a watcher of a running run
+    (the text after the last newline may be a row still being written; ``read_metrics`` sets it aside)."""
+    rows, _ = read_metrics(run_dir)
+    return max((row["step"] for row in rows if "step" in row), default=0)
+
+
 def _open_lock(path: Path, create: bool):
     """A run's lock file, opened without following a link and only if it is a regular file (None when it is not there
     and ``create`` is false)."""

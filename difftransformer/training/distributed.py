@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from difftransformer.devices import resolve_device
+from difftransformer.devices import choices, resolve_device
 from difftransformer.errors import InputError
 from difftransformer.store.checkpoint import flatten_optimizer, unflatten_optimizer
 
@@ -48,16 +48,17 @@ class World:
 
 def init_world(device: str | torch.device = "auto", timeout: float = 600) -> World:
     """Pick the device (``devices.resolve_device``: ``cuda`` is LOCAL_RANK's GPU), make it this process's current
-    GPU, then join the torchrun process group when launched by it (NCCL on a GPU, gloo elsewhere; collectives time
-    out after ``timeout`` seconds). The caller leaves the group with ``leave_world`` before it exits."""
+    GPU, then join the torchrun process group when launched by it (the device's backend, ``devices.choices``: NCCL on
+    a GPU, gloo elsewhere and in the GPU rehearsal; collectives time out after ``timeout`` seconds). The caller leaves
+    the group with ``leave_world`` before it exits."""
     device = resolve_device(device)
     if device.type == "cuda":
         torch.cuda.set_device(device)  # before the group: NCCL binds each process to its current GPU
     size = int(os.environ.get("WORLD_SIZE", "1"))
-    launched = size > 1 or "TORCHELASTIC_RUN_ID" in os.environ  # torchrun: a group even of one process (its
-    # collectives then run for real, as in benchmarks/gpu.sh's check of NCCL on one GPU)
+    launched = size > 1 or "TORCHELASTIC_RUN_ID" in os.environ  # torchrun: a group even of one process (whose
+    # collectives communicate nothing; benchmarks/gpu.sh checks that such a group starts, trains and resumes)
     if launched and not dist.is_initialized():
-        backend = "nccl" if device.type == "cuda" else "gloo"
+        backend = choices(device).backend
         wait = timedelta(seconds=timeout)
         store = _attempt_store(wait)
         if store is None:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from difftransformer.devices import choices, pin
 from difftransformer.training.config import TrainConfig
 from difftransformer.training.distributed import all_reduce_mean, unwrap
 
@@ -40,13 +41,11 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
-FUSED_DEVICES = ("cpu", "cuda")  # where PyTorch has a fused AdamW (one kernel per step, and a skip on the device)
-
-
 def optimizer_flags(device: torch.device) -> dict:
-    """AdamW's implementation for parameters on ``device``: ``fused`` where PyTorch has it, ``foreach`` elsewhere.
-    The fused one also skips a non-finite step on the device (``optimizer_step``), with no read on the host."""
-    return {"fused": True} if device.type in FUSED_DEVICES else {"foreach": True}
+    """AdamW's implementation for parameters on ``device`` (``devices.choices``): ``fused`` where PyTorch has it,
+    ``foreach`` elsewhere. The fused one also skips a non-finite step on the device (``optimizer_step``), with no read
+    on the host."""
+    return {"fused": True} if choices(device).fused_adamw else {"foreach": True}
 
 
 def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
@@ -100,9 +99,10 @@ def autocast_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype | None
         return None
     if cfg.dtype == "bfloat16":
         return torch.bfloat16
-    if device.type == "cuda" and torch.cuda.is_bf16_supported():
-        return torch.bfloat16
-    return None
+    amp = choices(device).autocast
+    if amp == torch.bfloat16 and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        return None  # a GPU older than Ampere: float32
+    return amp
 
 
 @dataclass
@@ -138,10 +138,11 @@ def read(results: list[StepResult], extra: torch.Tensor | None = None) -> tuple[
 
 
 def to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A batch on ``device``: to a GPU from pinned memory without waiting (the copy overlaps the work queued
-    before it); on the CPU, the batch itself."""
-    if device.type == "cuda":
-        return x.pin_memory().to(device, non_blocking=True)
+    """A batch on ``device``: a host batch to a GPU from pinned memory without waiting (the copy overlaps the work
+    queued before it); a batch already on the device, or any batch on the CPU, as it is. Only host memory can be
+    pinned (PyTorch refuses a CUDA tensor)."""
+    if choices(device).pin_batches and x.device.type == "cpu":
+        return pin(x).to(device, non_blocking=True)
     return x.to(device)
 
 

@@ -36,7 +36,7 @@ def _bench(args: argparse.Namespace) -> int:
             print(bench.format_attention(result))
         elif args.what == "train":
             result = bench.bench_train(
-                args.preset, args.seq, args.batch, args.repeats, args.device, getattr(torch, args.dtype)
+                args.preset, args.seq, args.batch, args.repeats, args.device, getattr(torch, args.dtype), args.matmul
             )
             print(bench.format_train(result))
         elif args.what == "threads":
@@ -140,6 +140,10 @@ def bench_command(sub) -> None:
     train.add_argument("--preset", default="small", help="the model preset")
     train.add_argument("--seq", type=at_least(1), nargs="+", default=[256, 1024, 2048], help="sequence lengths")
     train.add_argument("--batch", type=at_least(1), default=4, help="sequences per step")
+    train.add_argument(
+        "--matmul", type=at_least(16), default=None, metavar="N",
+        help="the size of the reference matrix product for utilisation (default 2048 on a CPU, 8192 on a GPU)",
+    )  # fmt: skip
     _device_flags(train)
     _common(train)
 

@@ -34,6 +34,7 @@ from difftransformer.core.config import DIFF_IMPLS, ModelConfig
 from difftransformer.core.lambda_init import lambda_init_fn
 from difftransformer.core.layers import RMSNorm, bypassable, head_norm_project
 from difftransformer.core.rotary import apply_rotary
+from difftransformer.devices import choices
 from difftransformer.errors import InputError
 
 
@@ -252,6 +253,7 @@ class MultiheadDiffAttn(AttentionBase):
             and active_probe() is None
             and (self.subln is None or (bypassable(self.subln) and self.subln.weight.dtype == q.dtype))
             and self.lambda_q1.dtype in (torch.float32, torch.float64)
+            and choices(q.device).decode == "kernel"
             and cpu_kernel.decode_supported(q, k, v)
         )
 

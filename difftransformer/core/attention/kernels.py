@@ -36,6 +36,9 @@ Exact methods for differential attention, chosen by ``impl``:
   other head sizes or dtypes) take the ``auto`` path. Not chosen by ``auto``: no measurement on a GPU shows it
   faster yet.
 
+Which method ``auto`` takes is the device's choice (``devices.choices``: ``attention`` and ``decode``), so that the GPU
+rehearsal runs the CUDA branch's methods on CPU tensors.
+
 Decoding (``auto``, at most DECODE_ROWS queries, no gradient) computes the full rows directly: on CPU in float32 or
 float64 through the fused decode kernel (``cpu_kernel.fused_decode``, eager and under torch.compile), which reads
 each cached key and value once per key/value group for both maps and every query head of the group, and only up to
@@ -51,6 +54,7 @@ import torch.nn.functional as F
 
 from difftransformer.core.attention import cpu_kernel
 from difftransformer.core.attention.logits import active_probe
+from difftransformer.devices import choices
 from difftransformer.errors import InputError
 
 MASK_VALUE = torch.finfo(torch.float32).min
@@ -263,7 +267,12 @@ def _auto(q, k, v, lambda_full, *, scale, causal=True, mask=None):
     BLOCK_MIN_ROWS on (KERNEL_MIN_ROWS with the fused kernel); otherwise the fused sdpa path."""
     if q.shape[3] <= DECODE_ROWS and not torch.is_grad_enabled():
         return _diff_decode(q, k, v, lambda_full, scale, causal, mask)
-    if q.device.type != "cpu":
+    attention = choices(q.device).attention
+    if attention == "triton" and _triton_applies(q, k, v, lambda_full, causal, mask):
+        from . import triton_diff
+
+        return triton_diff.diff_attention_triton(q, k, v, lambda_full, scale, causal)
+    if attention in ("sdpa", "triton"):
         return _sdpa(q, k, v, lambda_full, scale=scale, causal=causal, mask=mask)
     min_rows = KERNEL_MIN_ROWS if cpu_kernel.supported(q, k, v) else BLOCK_MIN_ROWS
     method = _block if q.shape[-1] >= BLOCK_MIN_HEAD_DIM or q.shape[3] >= min_rows else _sdpa
@@ -301,6 +310,15 @@ def _triton(q, k, v, lambda_full, *, scale, causal=True, mask=None):
     return _auto(q, k, v, lambda_full, scale=scale, causal=causal, mask=mask)
 
 
+def _triton_applies(q, k, v, lambda_full, causal, mask) -> bool:
+    """Whether the Triton kernels are installed and handle these inputs (``triton_diff.supported``)."""
+    try:
+        from . import triton_diff
+    except ImportError:
+        return False
+    return triton_diff.supported(q, k, v, lambda_full, causal, mask)
+
+
 METHODS = {"auto": _auto, "sdpa": _sdpa, "block": _block, "triton": _triton}
 
 
@@ -308,7 +326,7 @@ def _diff_decode(q, k, v, lambda_full, scale, causal, mask):
     """A few query rows (decoding from a cache), no gradient: the fused decode kernel on CPU (``cpu_kernel.py``: one
     pass over the cache per group, each key and value read once), else full rows in PyTorch, keys and values read
     once per group."""
-    if cpu_kernel.decode_supported(q, k, v):
+    if choices(q.device).decode == "kernel" and cpu_kernel.decode_supported(q, k, v):
         return cpu_kernel.fused_decode(q, k, v, lambda_full, scale, causal, mask)
     return _diff_decode_torch(q, k, v, lambda_full, scale, causal, mask)
 

@@ -279,7 +279,8 @@ class Tiles:
 # the kernels by name: what the launch tiles and the compile check (tests/test_triton_compile.py) key on
 KERNELS = {"forward": _fwd_kernel, "backward_dkdv": _bwd_dkdv_kernel, "backward_dq": _bwd_dq_kernel}
 # (kernel, half-head size d, bytes per element) -> tiles. Chosen from ptxas's reports for sm_90a (H100, H200) and
-# sm_80 (A100), compiled on a machine without a GPU (tests/test_triton_compile.py checks every entry): the largest
+# sm_80 (A100), compiled on a machine without a GPU, with the pinned Triton and the GPU machine's (make test-gpu-image;
+# tests/test_triton_compile.py checks every entry): the largest
 # tiles with no register spill and shared memory within both targets' limits; not tuned for speed, which only a GPU
 # can measure. The forward holds two 2d-wide float32 accumulators per query row (one per map), the dK/dV kernel
 # 4d float32 values per key, which is what limits the tiles at d = 128 and in float32.
@@ -293,9 +294,14 @@ TILES: dict[tuple[str, int, int], Tiles] = {
     # float32: tl.dot in IEEE precision (no tensor cores), whose unrolled products need smaller tiles
     **{("forward", d, _FP32): Tiles(32, 32, 8, 1) for d in (16, 32, 64)},
     ("forward", 128, _FP32): Tiles(32, 16, 8, 1),
-    **{("backward_dkdv", d, _FP32): Tiles(16, 16, 4, 1) for d in (16, 32, 64)},
+    # (Triton 3.6, the GPU machine's, spills at d 16 with 4 warps and at d 64 in one stage: these compile without
+    # spills in both 3.6 and the pinned 3.9)
+    ("backward_dkdv", 16, _FP32): Tiles(16, 16, 8, 1),
+    ("backward_dkdv", 32, _FP32): Tiles(16, 16, 4, 1),
+    ("backward_dkdv", 64, _FP32): Tiles(16, 16, 4, 3),
     ("backward_dkdv", 128, _FP32): Tiles(16, 16, 4, 2),
-    **{("backward_dq", d, _FP32): Tiles(16, 32, 8, 1) for d in HEAD_DIMS},
+    **{("backward_dq", d, _FP32): Tiles(16, 32, 8, 1) for d in (16, 32, 128)},
+    ("backward_dq", 64, _FP32): Tiles(16, 32, 8, 2),
 }
 # The interpreter's cost grows with the tile size: small tiles there (which exercise the edge masks too); None runs
 # the GPU's tiles in the interpreter (tests/test_triton.py does, at lengths that are not multiples of them).
@@ -308,7 +314,7 @@ def tiles(kernel: str, d: int, dtype: torch.dtype) -> Tiles:
 
 
 def _launch_tiles(kernel: str, d: int, dtype: torch.dtype) -> Tiles:
-    if _interpreting() and INTERPRETER_TILES is not None:
+    if interpreting() and INTERPRETER_TILES is not None:
         return INTERPRETER_TILES
     return tiles(kernel, d, dtype)
 
@@ -372,14 +378,15 @@ class TritonDiffAttention(torch.autograd.Function):
         return dq, dk, dv, dlam.to(dtype).reshape(shape), None, None
 
 
-def _interpreting() -> bool:
+def interpreting() -> bool:
+    """Whether Triton runs kernels in its interpreter (TRITON_INTERPRET=1 before Triton was imported)."""
     knobs = getattr(triton, "knobs", None)  # Triton 3.4 and newer; before, the environment alone said it
     return knobs.runtime.interpret if knobs is not None else os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def diff_attention_triton(q, k, v, lambda_full, scale: float, causal: bool) -> torch.Tensor:
     """(B, H, Tq, 2d) differential attention through the Triton kernels (see the module docstring)."""
-    if q.device.type != "cuda" and not _interpreting():
+    if q.device.type != "cuda" and not interpreting():
         raise RuntimeError(
             "the Triton differential-attention kernel runs on CUDA tensors; on CPU use impl 'block' or 'auto', "
             "or set TRITON_INTERPRET=1 before importing difftransformer to run it in Triton's interpreter"
