@@ -18,6 +18,10 @@ import time
 import traceback
 from pathlib import Path
 
+# before torch, so that OpenMP's idle threads wait passively (difftransformer/threads.py)
+import difftransformer  # noqa: F401
+
+# isort: split
 import torch
 
 SIZES = {

@@ -41,6 +41,10 @@ import time
 import traceback
 from pathlib import Path
 
+# before torch, so that OpenMP's idle threads wait passively (difftransformer/threads.py)
+import difftransformer  # noqa: F401
+
+# isort: split
 import torch
 
 # Sizes of every check, on either device. Parity: (batch, heads, KV groups, T, half-head d); the second shape

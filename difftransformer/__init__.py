@@ -1,7 +1,8 @@
 """difftransformer: the Differential Transformer (Ye et al., ICLR 2025), faithful and fast.
 
 The public names load on first use (PEP 562), so that importing the package, and so starting ``difftx``, does not
-import torch before the command line is read: a Ctrl-C during start-up is then a clean stop, not a traceback.
+import torch before the command line is read: a Ctrl-C during start-up is then a clean stop, not a traceback. The
+import makes OpenMP's idle threads wait passively when torch is not yet loaded (difftransformer/threads.py).
 """
 
 from __future__ import annotations
@@ -9,7 +10,11 @@ from __future__ import annotations
 from importlib import import_module
 from typing import TYPE_CHECKING
 
+from difftransformer.threads import wait_passively
+
 __version__ = "0.1.0"
+
+wait_passively()  # before torch loads OpenMP, which reads its wait policy once (difftransformer/threads.py)
 
 _HOME = {
     "ModelConfig": "difftransformer.core.config",

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -26,6 +27,19 @@ OPTIONAL_EXTRA = {
     "tensorboard": "track",
     "wandb": "track",
 }
+
+
+def install_hint(extra: str) -> str:
+    """How to install an extra here: ``pip install 'difftransformer[hf]'``, or, in a checkout of the repository (an
+    editable install beside its pinned requirements-dev.txt), the checkout's way: an unpinned install there would
+    fetch versions that ``make test`` later replaces."""
+    checkout = Path(__file__).resolve().parents[1]
+    if (checkout / "requirements-dev.txt").is_file() and (checkout / "pyproject.toml").is_file():
+        return (
+            f"in this checkout, `make test` installs every extra into .venv (or, for this one alone: "
+            f".venv/bin/pip install -e '.[{extra}]' -c requirements-dev.txt)"
+        )
+    return f"pip install 'difftransformer[{extra}]'"
 
 
 class InputError(ValueError):

@@ -3,6 +3,11 @@ import json
 import os
 
 import pytest
+
+# before torch, as a user's program would: importing difftransformer first makes OpenMP's idle threads wait passively
+import difftransformer  # noqa: F401
+
+# isort: split
 import torch
 
 # The Triton kernels run in Triton's interpreter where there is no GPU (tests/test_triton.py). Triton before 3.4
@@ -11,7 +16,7 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
 from difftransformer.core.attention import cpu_kernel  # noqa: E402
-from difftransformer.errors import OPTIONAL_EXTRA  # noqa: E402
+from difftransformer.errors import OPTIONAL_EXTRA, install_hint  # noqa: E402
 
 # the tests and benchmarks/gpu_check.py share the reader of a running run's last step
 from difftransformer.store.runs import last_logged_step  # noqa: E402, F401
@@ -28,7 +33,7 @@ def optional(module: str):
     if os.environ.get("DIFFTX_REQUIRE_OPTIONAL") == "1":
         return importlib.import_module(module)
     extra = OPTIONAL_EXTRA[module.split(".")[0]]
-    return pytest.importorskip(module, reason=f"needs {module}: pip install 'difftransformer[{extra}]'")
+    return pytest.importorskip(module, reason=f"needs {module}: {install_hint(extra)}")
 
 
 @pytest.fixture(autouse=True)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
+import shlex
 import sys
 from pathlib import Path
 
@@ -12,6 +14,7 @@ import pytest
 from conftest import SMALL, optional, train_args
 
 from difftransformer.apps.cli import main
+from difftransformer.errors import install_hint
 from difftransformer.training.config import TrainConfig
 from difftransformer.training.config_file import read_config_file, to_toml, tomllib
 
@@ -157,7 +160,7 @@ def test_a_missing_file_and_a_missing_yaml_module_are_named(tmp_path, capsys, mo
     path.write_text(YAML)
     monkeypatch.setitem(sys.modules, "yaml", None)  # as if PyYAML were not installed
     assert main(["train", "--config", str(path), "--print-config"]) == 2
-    assert "pip install 'difftransformer[yaml]'" in capsys.readouterr().err
+    assert f"this needs yaml, an optional dependency: {install_hint('yaml')}" in capsys.readouterr().err
     with pytest.raises(FileNotFoundError, match="nope.json does not exist"):
         read_config_file(tmp_path / "nope.json")
 
@@ -185,6 +188,43 @@ def test_the_example_configs_load(path, capsys):
     assert cfg.preset in path.stem or path.stem.startswith("demo-")
     shown = printed(capsys, "--config", str(path))
     assert shown["preset"] == cfg.preset and shown["lr"] == cfg.lr
+
+
+def _comment_examples(path: Path) -> list[list[str]]:
+    """The train commands a config's comments give (``difftx train ...``, ``torchrun ... -m difftransformer train
+    ...``, up to two spaces or a parenthesis), each also with the flags an ``e.g. --flag value`` sentence offers."""
+    comments = [line.lstrip("# ") for line in path.read_text().splitlines() if line.startswith("#")]
+    commands = [re.split(r"\s{2,}|\s\(", re.split(r"difftx train |-m difftransformer train ", line, maxsplit=1)[1])[0]
+                for line in comments if re.search(r"difftx train |-m difftransformer train ", line)]  # fmt: skip
+    offered = [m.strip() for line in comments for m in re.findall(r"e\.g\. ((?:--[\w-]+ [^-\s]\S*\s?)+)", line)]
+    return [shlex.split(c) for c in commands] + [shlex.split(f"{c} {flags}") for c in commands for flags in offered]
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
+def test_every_example_in_a_configs_comments_runs(path, capsys):
+    """#56: tiny.toml's "e.g. --attention standard for the baseline" failed on the file's head_norm_gain. Each example
+    resolves to a whole config, its model's fields included (--print-config builds the model's config as training
+    does; DIR stands for a data directory)."""
+    examples = _comment_examples(path)
+    assert examples, f"{path.name} gives no example command"
+    for argv in examples:
+        argv = ["data/here" if arg == "DIR" else arg for arg in argv]
+        assert main(["train", *argv, "--print-config"]) == 0, (argv, capsys.readouterr().err)
+        assert "[model]" in capsys.readouterr().out
+
+
+def test_a_flags_attention_without_a_per_head_norm_leaves_the_files_rule_out_with_a_note(tmp_path, capsys):
+    tiny = str(ROOT / "configs" / "tiny.toml")
+    shown = printed(capsys, "--config", tiny, "--attention", "standard")
+    assert "head_norm_gain" not in shown["model"]
+    assert main(["train", "--config", tiny, "--attention", "standard", "--print-config"]) == 0
+    assert "tiny.toml's [model] head_norm_gain (the norm's starting weight) is left out" in capsys.readouterr().err
+    kept = printed(capsys, "--config", tiny, "--attention", "standard", "--model", '{"head_norm": true}')
+    assert kept["model"] == {"head_norm_gain": "matched", "head_norm": True}
+    bad = tmp_path / "bad.toml"  # the file itself pairs the rule with a model that has no norm: its error
+    bad.write_text('data = "d"\nattention = "standard"\n[model]\nhead_norm_gain = "matched"\n')
+    assert main(["train", "--config", str(bad), "--print-config"]) == 2
+    assert f"{bad}: head_norm_gain is the initial weight of the per-head norm" in capsys.readouterr().err
 
 
 def test_the_demo_configs_are_the_demo_s_settings():

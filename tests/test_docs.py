@@ -25,10 +25,32 @@ def test_the_four_tutorials_exist_and_have_code():
         assert len(kinds) >= 3, f"{page.name} has {len(kinds)} runnable blocks"
 
 
-def run_blocks(text: str, name: str) -> dict:
+# What `make test` adds to the demo's environment (requirements-dev.txt beyond requirements-demo.txt), by module
+DEV_ONLY_MODULES = ("triton", "lm_eval", "wandb", "tensorboard", "mkdocs", "pandas", "pyarrow", "sklearn",
+                    "hypothesis", "accelerate", "datasets", "pytest", "pyte")  # fmt: skip
+# a sitecustomize under which they are not found, as in the demo's environment (for an import, and for a library's
+# probe with importlib.util.find_spec, as transformers probes accelerate)
+DEMO_ENV = f"""import sys
+from importlib.machinery import PathFinder
+class _DemoEnvironment(PathFinder):
+    @classmethod
+    def find_spec(cls, name, path=None, target=None):
+        if name.split(".")[0] in {DEV_ONLY_MODULES!r}:
+            return None
+        return PathFinder.find_spec(name, path, target)
+sys.meta_path[:] = [_DemoEnvironment if finder is PathFinder else finder for finder in sys.meta_path]
+"""
+
+
+def run_blocks(text: str, name: str, demo_env: Path | None = None) -> dict:
     """Each python and bash block of ``text``, in order, in the working directory: python blocks share one
-    namespace (as in one session), which is returned; bash blocks run with this environment's difftx first on PATH."""
+    namespace (as in one session), which is returned; bash blocks run with this environment's difftx first on PATH
+    and, with ``demo_env`` (a folder for its sitecustomize), unable to import what only `make test` installs."""
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    if demo_env is not None:
+        demo_env.mkdir(parents=True, exist_ok=True)
+        (demo_env / "sitecustomize.py").write_text(DEMO_ENV)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(demo_env), env.get("PYTHONPATH", "")]))
     namespace: dict = {"__name__": "__docs__"}
     for i, (kind, code) in enumerate(BLOCK.findall(text)):
         where = f"{name}, block {i + 1} ({kind})"
@@ -69,16 +91,32 @@ def test_the_readme_starts_with_the_two_commands_and_runs_every_other_block():
 
 @pytest.mark.slow
 def test_the_readme_runs_as_written(tmp_path, monkeypatch):
-    """The module example's shapes and lambda, then the command-line example: it trains, samples and exports."""
+    """The module example's shapes and lambda, then the command-line example: it trains, samples and exports, in the
+    demo's environment (#56: the export failed there, transformers missing; its python blocks import only torch and
+    difftransformer, which test_the_readmes_python_imports_what_the_demo_installs checks)."""
     import torch
 
     monkeypatch.chdir(tmp_path)
-    scope = run_blocks((ROOT / "README.md").read_text(), "README.md")
+    scope = run_blocks((ROOT / "README.md").read_text(), "README.md", demo_env=tmp_path / "demo-env")
     assert scope["y"].shape == (2, 64, 1024) and scope["w"].shape == (2, 8, 64, 64)
     assert scope["logits"].shape == (2, 128, 256)
     assert abs(scope["attn"].lambda_init - 0.2) < 1e-12 and isinstance(scope["attn"].lambda_full(), torch.Tensor)
     assert (tmp_path / "runs" / "diff-tiny" / "checkpoints" / "step_00000020" / "model.safetensors").is_file()
     assert (tmp_path / "hf" / "diff-tiny" / "README.md").read_text().startswith("---\n")
+
+
+def test_the_readmes_python_imports_what_the_demo_installs():
+    code = "\n".join(c for kind, c in BLOCK.findall((ROOT / "README.md").read_text()) if kind == "python")
+    imported = {m.split(".")[0] for m in re.findall(r"^(?:from|import) ([\w.]+)", code, re.M)}
+    assert imported == {"torch", "difftransformer"}, imported
+
+
+def test_the_demo_environment_stand_in_blocks_what_only_make_test_installs(tmp_path):
+    """The stand-in the README's test runs under: a development tool fails to import, the library and its export
+    dependencies import (a check that it blocks something and not everything)."""
+    run_blocks("```bash\npython -c 'import transformers, matplotlib, difftransformer'\n```\n", "x", tmp_path / "e")
+    with pytest.raises(AssertionError, match="No module named 'lm_eval'"):
+        run_blocks("```bash\npython -c 'import lm_eval'\n```\n", "x", tmp_path / "e")
 
 
 def test_cli_page_names_every_command():

@@ -27,6 +27,7 @@ def _gpu_sh(tmp_path, *args, checks: str | None = None, timeout: int = 1500) -> 
 
 
 @pytest.mark.slow
+@pytest.mark.gpu_image
 def test_the_rehearsal_runs_the_cuda_branch_and_passes(tmp_path):
     """gpu.sh --cpu runs the CUDA branch's code on the CPU (its log names the methods: padded SDPA, the PyTorch decode
     path, Triton interpreted) and every check and benchmark that the CPU can run passes; what needs a GPU says SKIP
@@ -59,6 +60,7 @@ def test_the_rehearsal_runs_the_cuda_branch_and_passes(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.gpu_image
 def test_the_script_runs_again_at_once_and_keeps_its_budget(tmp_path):
     """A fresh work directory per invocation (the last script refused its own earlier run directory); a part that no
     longer fits in the budget is skipped with a line saying so and the command that runs it alone."""

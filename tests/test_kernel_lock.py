@@ -84,3 +84,56 @@ def test_a_build_killed_by_sigterm_or_sigkill_never_blocks_the_next_command(tmp_
     assert third.returncode == 0, third.stderr
     assert f"removed {baton}, left by a kernel build that was stopped" in third.stderr
     assert not baton.exists() and list(Path(name).glob("*.so"))
+
+
+def _ninja_dir(tmp_path: Path, name: str) -> str:
+    """A folder holding an executable named ninja (a stand-in for the system's)."""
+    folder = tmp_path / name
+    folder.mkdir()
+    (folder / "ninja").write_text("#!/bin/sh\nexit 1\n")
+    (folder / "ninja").chmod(0o755)
+    return str(folder)
+
+
+def test_the_ninja_installed_with_this_python_goes_first_on_path(tmp_path, monkeypatch):
+    """Another ninja ahead on PATH (a system one, as when the environment is not activated) is put behind ours."""
+    import shutil
+
+    ours = os.path.dirname(sys.executable)
+    assert os.access(os.path.join(ours, "ninja"), os.X_OK), "the test environment installs ninja (requirements)"
+    other = _ninja_dir(tmp_path, "system")
+    for path in (f"{other}{os.pathsep}/usr/bin{os.pathsep}{ours}", f"{ours}{os.pathsep}{other}", other):
+        monkeypatch.setenv("PATH", path)
+        cpu_kernel._put_ninja_on_path()
+        assert shutil.which("ninja") == os.path.join(ours, "ninja")
+        entries = os.environ["PATH"].split(os.pathsep)
+        assert entries.count(ours) == 1 and other in entries
+
+
+@pytest.mark.slow
+def test_switching_between_an_activated_shell_and_make_rebuilds_nothing(tmp_path):
+    """The issue's case: `make` runs .venv/bin/python with the system's PATH (a system ninja first), an activated
+    shell puts .venv/bin first; with two ninjas of different versions each switch rebuilt the kernel."""
+    system = shutil_which_elsewhere("ninja", os.path.dirname(sys.executable))
+    if system is None:
+        system = _ninja_dir(tmp_path, "system")  # a ninja that fails: any build through it would fail loudly
+    else:
+        system = os.path.dirname(system)
+    ours = os.path.dirname(sys.executable)
+    env = {**os.environ, "DIFFTX_CACHE": str(tmp_path / "cache")}
+    outputs = []
+    for path in (f"{system}{os.pathsep}{os.environ['PATH']}", f"{ours}{os.pathsep}{system}{os.pathsep}/usr/bin"):
+        run = subprocess.run([sys.executable, "-c", BUILD], env={**env, "PATH": path}, capture_output=True, text=True)
+        assert run.returncode == 0 and "kernel: ready" in run.stdout, run.stdout + run.stderr
+        outputs.append(run.stderr)
+    assert "building the fused CPU attention kernel" in outputs[0]
+    assert "rebuilt" not in outputs[1] and "building" not in outputs[1], outputs[1]
+
+
+def shutil_which_elsewhere(name: str, besides: str) -> str | None:
+    """The first ``name`` on PATH that is not in the folder ``besides``."""
+    for folder in os.environ.get("PATH", "").split(os.pathsep):
+        candidate = os.path.join(folder, name)
+        if folder and folder != besides and os.access(candidate, os.X_OK) and os.path.isfile(candidate):
+            return candidate
+    return None

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from difftransformer.errors import install_hint
+
 TESTS = Path(__file__).resolve().parent
 
 
@@ -28,5 +30,5 @@ def test_a_missing_optional_dependency_skips_its_tests_with_the_install_command(
         assert proc.returncode != 0 and "transformers is not installed (simulated)" in proc.stdout
     else:
         assert proc.returncode in (0, 5), proc.stdout[-2000:]  # 5: the whole module skipped, nothing ran
-        assert "needs transformers: pip install 'difftransformer[hf]'" in proc.stdout
+        assert f"needs transformers: {install_hint('hf')}" in proc.stdout
         assert " skipped" in proc.stdout and "passed" not in proc.stdout

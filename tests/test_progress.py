@@ -255,3 +255,96 @@ def test_a_pace_far_below_the_expected_one_is_named_from_the_start(clock):
     p = Progress(10_000, stream=out2, every_s=0, expected=(1.0, "the pace of 2 idle cores"))
     _steps(p, clock, 1, 40, 2.0)  # 2x below: within SLOW
     assert "below" not in out2.getvalue()
+
+
+class Emulated(io.StringIO):
+    """A terminal of ``columns`` columns (pyte's emulator, which wraps at the right margin as terminals do); what is
+    written goes through the tty's newline translation (\\n to \\r\\n) to the emulated screen."""
+
+    def __init__(self, columns: int) -> None:
+        import pyte
+
+        super().__init__()
+        self.screen = pyte.Screen(columns, 12)
+        self.feed = pyte.Stream(self.screen).feed
+
+    def isatty(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        self.feed(text.replace("\n", "\r\n"))
+        return super().write(text)
+
+    def rows(self) -> list[str]:
+        return [row.rstrip() for row in self.screen.display if row.strip()]
+
+
+@pytest.mark.parametrize("columns", [80, 120])
+def test_the_live_line_fits_the_terminal_and_leaves_nothing_behind(clock, monkeypatch, columns):
+    """#56: a 171-246 character line rewritten with a bare \\r left wrapped pieces in a 100-column terminal, worst
+    once the pace warning was added. On an emulated terminal the screen holds the rows written above the line and
+    the line alone, which keeps the count and the time left, ends with what the last update said, and is at most
+    the terminal's width less one."""
+    monkeypatch.setenv("COLUMNS", str(columns))
+    term = Emulated(columns)
+    p = Progress(5000, "train a-run-directory-with-a-long-name", stream=term, watch_pace=True)
+    _steps(p, clock, 1, 60, 1.0)
+    p.write("step 60: validation loss 3.2100", stream=term)
+    rows = term.rows()
+    assert rows[0] == "step 60: validation loss 3.2100" and len(rows) == 2, rows
+    _steps(p, clock, 61, 100, 6.0)  # the pace warning appears
+    _steps(p, clock, 101, 103, 6.0)
+    rows = term.rows()
+    assert len(rows) == 2 and rows[0] == "step 60: validation loss 3.2100", rows
+    line = rows[1]
+    assert len(line) <= columns - 1 and line.count("103/5000 steps") == 1 and line.endswith(" left"), line
+    assert "pace 5.9x below this run's best" in line or "pace 6.0x below this run's best" in line, line
+    if columns >= 120:  # room for the explanation too
+        assert "other programs may be using the cores" in line, line
+    p.close()
+    assert term.screen.cursor.x == 0 and term.screen.cursor.y == 2  # the line ends with a newline
+
+
+def test_fields_go_in_the_stated_order_as_the_width_shrinks():
+    from difftransformer.progress import DROPPED, fit
+
+    fields = {"bar": "[####----]", "label": "train x", "count": "3/9 steps", "loss": "loss 1.2345", "rate": "9 tok/s",
+              "note": "saving", "pace": "pace 3.0x below best", "why": ": busy", "elapsed": "1m00s elapsed",
+              "left": "2m00s left"}  # fmt: skip
+    full = fit(fields)
+    assert full == ("[####----] train x  3/9 steps  loss 1.2345  9 tok/s  saving  pace 3.0x below best: busy  "
+                    "1m00s elapsed, 2m00s left")  # fmt: skip
+    kept = []
+    for width in range(len(full), 0, -1):
+        line = fit(fields, width)
+        assert len(line) <= width
+        kept.append({name for name, text in fields.items() if text in line})
+    gone = [name for name in DROPPED if any(name not in k for k in kept)]
+    first_gone = sorted(gone, key=lambda name: next(i for i, k in enumerate(kept) if name not in k))
+    assert first_gone == list(DROPPED)  # each field leaves in DROPPED's order
+    assert fit(fields, 21) == "3/9 steps  2m00s left"  # the count and the time left stay
+    assert fit(fields, 8) == "3/9 step"  # narrower still: cut
+
+
+def test_the_time_left_counts_down_within_a_step_and_moves_by_at_most_a_third(clock):
+    """#56: early on the time left jumped within one step (18m04s, 30m03s, 17m59s): it was re-estimated from a step
+    still running. Now it counts down between steps, and after warm-up each line's time left is within a third of
+    the one before, over steps of uneven length (1 to 3 s) and a 40 s validation every 50 steps."""
+    term = Terminal()
+    p = Progress(400, stream=term)
+    clock.now += 2.0
+    p.update(1)
+    shown = []
+    for _poll in range(8):  # the second step runs 4 s; a watcher polls 4 times a second
+        clock.now += 0.5
+        p.update(1, note="")
+        shown.append(_seconds(term.getvalue().split("\r")[-1].split(", ")[-1].split()[0]))
+    assert shown == sorted(shown, reverse=True), shown  # never up within the step
+    lefts = []
+    for step in range(2, 401):
+        clock.now += 1.0 + (step * 7919 % 5) / 2 + (40.0 if step % 50 == 0 else 0.0)
+        p.update(step)
+        lefts.append(_seconds(term.getvalue().split("\r")[-1].split(", ")[-1].split()[0]))
+    steps_before = [(a, b) for a, b in zip(lefts[3:], lefts[4:], strict=False) if a >= 60]
+    assert all(2 / 3 * a - 4 <= b <= 4 / 3 * a for a, b in steps_before), steps_before
+    assert lefts[-1] == 0

@@ -19,8 +19,10 @@ from difftransformer.devices import host_batch
 from difftransformer.threads import SPIN, WAIT_POLICY
 
 # (label, threads, the OpenMP environment: nothing set is OpenMP's default); "N" stands for the --threads compared
-# with 1. The command line's default is N threads, passive (difftransformer/threads.py); spinning 1000 times before
-# sleeping (GNU OpenMP only) is the alternative it was chosen against
+# with 1. These processes import torch first, so that the environment alone decides. The default of the command line
+# and of the library is N threads, passive, set by importing difftransformer before torch (difftransformer/threads.py):
+# LIBRARY runs that way, as a user's program does. Spinning 1000 times before sleeping (GNU OpenMP only) is the
+# alternative the default was chosen against
 SETTINGS = (
     ("1 thread, OpenMP's default", 1, {}),
     ("N threads, OpenMP's default", "N", {}),
@@ -28,6 +30,8 @@ SETTINGS = (
     ("N threads, passive", "N", {WAIT_POLICY: "PASSIVE"}),
     ("N threads, spin 1000", "N", {SPIN: "1000"}),
 )
+LIBRARY = ("N threads, importing difftransformer first", "N", None)  # nothing set; the library sets the policy
+SETTINGS = (*SETTINGS, LIBRARY)
 CONDITIONS = ("idle", "one core busy")
 WORKS = ("training step", "decode step")
 # the competing process: a bounded busy loop (it ends by itself should this process be killed)
@@ -86,12 +90,15 @@ def _named(label: str, threads: int) -> str:
     return label.replace("N threads", f"{threads} threads")
 
 
-def _in_process(spec: dict, openmp: dict[str, str], busy: bool) -> dict[str, list[float]]:
-    """Run ``_time_steps(spec)`` in a fresh interpreter with the OpenMP environment ``openmp`` (the rest of it unset),
-    beside a busy process if ``busy``; its step times."""
+def _in_process(spec: dict, openmp: dict[str, str] | None, busy: bool) -> dict[str, list[float]]:
+    """Run ``_time_steps(spec)`` in a fresh interpreter with the OpenMP environment ``openmp`` (the rest of it unset;
+    torch imported first), or with None as a program that imports difftransformer first, beside a busy process if
+    ``busy``; its step times."""
     env = {k: v for k, v in os.environ.items() if k not in (WAIT_POLICY, SPIN)}
-    env |= {"OMP_NUM_THREADS": str(spec["threads"]), "OMP_DISPLAY_ENV": "VERBOSE"} | openmp  # OpenMP says its setting
+    env |= {"OMP_NUM_THREADS": str(spec["threads"]), "OMP_DISPLAY_ENV": "VERBOSE"} | (openmp or {})  # OpenMP says it
     code = f"from difftransformer.apps.bench_load import _time_steps; _time_steps({json.dumps(spec)!r})"
+    if openmp is not None:  # torch loads OpenMP first: importing difftransformer then changes nothing (and says so)
+        code = f"import warnings, torch; warnings.simplefilter('ignore'); {code}"
     competitor = None
     if busy:
         competitor = subprocess.Popen([sys.executable, "-c", BUSY.format(seconds=600)])
@@ -142,7 +149,7 @@ def verdict(result: dict) -> list[str]:
     against the best loaded setting, and the idle case at the default against the old default (n threads,
     OpenMP's default wait)."""
     n = result["shapes"]["threads"][1]
-    default, old = f"{n} threads, passive", f"{n} threads, OpenMP's default"
+    default, old, library = f"{n} threads, passive", f"{n} threads, OpenMP's default", _named(LIBRARY[0], n)
     lines = []
     for work in WORKS:
         s = {(r["condition"], r["setting"]): r["seconds"] for r in result["rows"] if r["work"] == work}
@@ -153,6 +160,12 @@ def verdict(result: dict) -> list[str]:
             f"setting ({best}); the old default took {loaded[old] / loaded[best]:.2f}x. Idle, the default "
             f"takes {s[('idle', default)] / s[('idle', old)]:.2f}x the old default ({old})"
         )
+        if library in loaded:  # results from before #56 have no such row
+            busy, idle = loaded[library] / loaded[best], s[("idle", library)] / s[("idle", old)]
+            lines[-1] += (
+                f". A program that imports difftransformer before torch (nothing set): one core busy, {busy:.2f}x "
+                f"the best setting; idle, {idle:.2f}x the old default"
+            )
     return lines
 
 
@@ -162,7 +175,8 @@ def format_load(result: dict) -> str:
         f"load benchmark: {m['cpu']}, torch {m['torch']}, {result['dtype']}, threads as each setting names",
         f"preset {sh['preset']} ({sh['attention']}); training step: batch {sh['batch']} x {sh['seq']} tokens, "
         f"forward + backward + AdamW; decode step: one token at batch 1 after {sh['seq']}; CPUs {sh['cpus']}. "
-        f"Each setting in its own process (OMP_NUM_THREADS; {WAIT_POLICY} and {SPIN} unset unless named), "
+        f"Each setting in its own process (OMP_NUM_THREADS; {WAIT_POLICY} and {SPIN} unset unless named; torch "
+        "imported first, except in the one that imports difftransformer first), "
         f"{sh['rounds']} rounds alternating settings and conditions; medians over every timed step. 'one core busy': "
         "a Python busy loop runs beside.",
         "",

@@ -9,10 +9,10 @@ import importlib.util
 import math
 from pathlib import Path
 
-from difftransformer.errors import InputError
+from difftransformer.errors import InputError, install_hint
 from difftransformer.fsutil import write_atomic
 
-PLOT_EXTRA = "pip install 'difftransformer[plot]'"  # what installs matplotlib, in every message that asks for it
+PLOT_EXTRA = install_hint("plot")  # what installs matplotlib, in every message that asks for it
 
 # One colour per model kind, in every figure; the variants of the language-model study have their own.
 COLORS = {

@@ -76,9 +76,7 @@ def _start_up_interrupted() -> int | None:
     process was started ignoring stays ignored (``nohup`` ignores SIGHUP; a shell's background job, SIGINT)."""
     import threading
 
-    from difftransformer.threads import wait_passively
-
-    wait_passively()  # before torch loads OpenMP, which reads its wait policy once
+    # OpenMP's wait policy is already set: importing the difftransformer package did it (difftransformer/threads.py)
     if threading.current_thread() is not threading.main_thread():
         import torch  # noqa: F401
 
@@ -127,6 +125,7 @@ def _main(argv: list[str] | None) -> int:
         InputError,
         Interrupted,
         TrainingDiverged,
+        install_hint,
     )
 
     try:
@@ -160,8 +159,7 @@ def _main(argv: list[str] | None) -> int:
         if extra is None:
             raise
         extra = "eval" if args.command == "eval" else extra  # lm-eval needs transformers too: one install for both
-        return fail(where, f"this needs {err.name.split('.')[0]}, an optional dependency: pip install "
-                     f"'difftransformer[{extra}]'")  # fmt: skip
+        return fail(where, f"this needs {err.name.split('.')[0]}, an optional dependency: {install_hint(extra)}")
     except BrokenPipeError:  # the reader went away (difftx ... | head): nothing more to say
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes stdout
         return 0

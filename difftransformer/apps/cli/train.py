@@ -51,6 +51,7 @@ def train_command(sub) -> None:
 
 
 def _train(args: argparse.Namespace) -> int:
+    from difftransformer.core.config import ModelConfig
     from difftransformer.errors import ConfigError, Interrupted, TrainingDiverged
     from difftransformer.fsutil import parse_json_object
     from difftransformer.training.config import RESUMABLE, TrainConfig
@@ -62,14 +63,19 @@ def _train(args: argparse.Namespace) -> int:
     fields = [f.name for f in dataclasses.fields(TrainConfig) if f.name not in ("out", "model", "betas")]
     given = {name: getattr(args, name) for name in fields if getattr(args, name) is not None}
     from_file = read_config_file(args.config) if args.config else {}
+    flag_model = parse_json_object(args.model, "--model") if args.model is not None else {}
+    _drop_the_files_norm_rule(from_file, given.get("attention"), flag_model, args.config)
     if args.model is not None:  # the flag's keys override the file's model table, key by key
-        given["model"] = {**from_file.get("model", {}), **parse_json_object(args.model, "--model")}
+        given["model"] = {**from_file.get("model", {}), **flag_model}
     if args.out is not None:
         given["out"] = args.out
     try:
         cfg, resume = _train_config(args, {**from_file, **given}, flags=set(given))
+        if not resume and cfg.preset is not None:  # the model's fields too, before any data is read
+            ModelConfig.preset(cfg.preset, attention=cfg.attention, **cfg.model)
     except ConfigError as err:
-        if err.field in from_file and err.field not in given:  # the file's value: its key, in its file
+        model_key = err.field in from_file.get("model", {}) and err.field not in flag_model
+        if model_key or (err.field in from_file and err.field not in given):  # the file's value: its key, its file
             raise file_error(args.config, err) from None
         raise
     if args.print_config:
@@ -170,6 +176,31 @@ def _summary(trainer, rows: list[dict]) -> None:
 
 
 _NO_DATA = "<no data>"  # --print-config without a data directory: the printed config says it is required
+
+
+NORM_RULE = ("head_norm_gain", "head_norm_gain_fixed", "head_norm_collision")  # the per-head norm's initial weight
+
+
+def _drop_the_files_norm_rule(from_file: dict, attention: str | None, flag_model: dict, path) -> None:
+    """A config file's per-head norm rule ([model] head_norm_gain and its companions) left out, with a note, when
+    the --attention flag picks a model without that norm (the file's example, ``--attention standard`` for the
+    baseline, otherwise failed on a key the user never gave)."""
+    model = {**from_file.get("model", {}), **flag_model}
+    if attention is None or (attention == "diff" and model.get("head_norm") is not False):
+        return
+    if attention == "standard" and model.get("head_norm") is True:
+        return
+    dropped = [key for key in NORM_RULE if key in from_file.get("model", {}) and key not in flag_model]
+    if not dropped:
+        return
+    for key in dropped:
+        del from_file["model"][key]
+    keep = "; --model '{\"head_norm\": true}' gives the standard model one" if attention == "standard" else ""
+    print(
+        f"difftx train: note: --attention {attention} has no per-head norm, so {path}'s [model] {', '.join(dropped)} "
+        f"(the norm's starting weight) is left out{keep}",
+        file=sys.stderr,
+    )
 
 
 def _train_config(args: argparse.Namespace, settings: dict, flags: set[str]):

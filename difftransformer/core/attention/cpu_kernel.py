@@ -185,8 +185,10 @@ def _source_copy(directory: Path) -> Path:
 
 
 def _put_ninja_on_path() -> None:
-    """PyTorch looks for ninja on PATH; a ninja installed with pip into a virtual environment that is not activated
-    (``.venv/bin/python -m ...``) is not there."""
+    """PyTorch runs the first ninja on PATH. The ninja installed with this Python (the virtual environment's, or the
+    ``ninja`` package's) goes first, whatever the shell: with a system ninja of another version on PATH, whether the
+    environment is activated would decide which ninja builds, and each switch would rebuild the kernel (ninja's
+    records differ between versions)."""
     dirs = [os.path.dirname(sys.executable)]
     try:
         import ninja
@@ -194,8 +196,9 @@ def _put_ninja_on_path() -> None:
         dirs.append(ninja.BIN_DIR)
     except (ImportError, AttributeError):
         pass
+    ours = [d for d in dirs if os.access(os.path.join(d, "ninja"), os.X_OK)][:1]
     path = os.environ.get("PATH", "").split(os.pathsep)
-    os.environ["PATH"] = os.pathsep.join(path + [d for d in dirs if d not in path])
+    os.environ["PATH"] = os.pathsep.join(ours + [d for d in path if d not in ours])
 
 
 def parallel_threads() -> int:

@@ -55,7 +55,7 @@ import torch.nn.functional as F
 from difftransformer.core.attention import cpu_kernel
 from difftransformer.core.attention.logits import active_probe
 from difftransformer.devices import choices
-from difftransformer.errors import InputError
+from difftransformer.errors import InputError, install_hint
 
 MASK_VALUE = torch.finfo(torch.float32).min
 # Query rows per block of the block method (64 measured fastest on a 2-core CPU, forward and backward),
@@ -303,7 +303,7 @@ def _triton(q, k, v, lambda_full, *, scale, causal=True, mask=None):
         from . import triton_diff
     except ImportError as err:
         raise ImportError(
-            "attention impl 'triton' needs Triton: pip install 'difftransformer[triton]' (or use impl 'auto')"
+            f"attention impl 'triton' needs Triton: {install_hint('triton')} (or use impl 'auto')"
         ) from err
     if triton_diff.supported(q, k, v, lambda_full, causal, mask):
         return triton_diff.diff_attention_triton(q, k, v, lambda_full, scale, causal)
