@@ -119,9 +119,11 @@ def fit(
     sample: Callable[[torch.Generator, int], tuple[torch.Tensor, torch.Tensor]],
     score: Callable[[TransformerLM], float],
     threads: int = 1,
+    stop: int | None = None,
 ) -> tuple[dict, TransformerLM]:
     """Train one model; returns its record {attention, seed, seconds, curve [{step, seconds, loss, accuracy}]} and
-    the trained model in eval mode."""
+    the trained model in eval mode. ``stop``: end after that many steps of ``spec``'s schedule (the learning rate of
+    a run of ``spec.steps``, so that the model is that run's at step ``stop``)."""
     torch.set_num_threads(threads)
     torch.manual_seed(seed)
     spec = spec.for_attention(attention)
@@ -129,13 +131,14 @@ def fit(
     optimizer = make_optimizer(model, spec)
     data = torch.Generator().manual_seed(seed)
     curve, seconds, losses = [], 0.0, []
-    for step in range(spec.steps + 1):
-        if step % spec.eval_every == 0 or step == spec.steps:
+    last = spec.steps if stop is None else min(stop, spec.steps)
+    for step in range(last + 1):
+        if step % spec.eval_every == 0 or step == last:
             model.eval()
             curve.append({"step": step, "seconds": round(seconds, 2), "loss": _mean(losses), "accuracy": score(model)})
             model.train()
             losses = []
-        if step == spec.steps:
+        if step == last:
             break
         start = time.perf_counter()
         row = optimizer_step(model, optimizer, [sample(data, spec.batch_size)], lr_at(step, spec), 1.0, CPU).row()
