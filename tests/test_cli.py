@@ -13,14 +13,13 @@ from difftransformer.apps.cli import main
 from difftransformer.apps.demo import run_demo
 
 ROOT = Path(__file__).resolve().parents[1]
+LM_PART = {"eval_every": 4, "seq_len": 64, "batch_size": 8, "part": "lm"}  # the demo's part 2 alone, small
 
 
 @pytest.mark.slow
 def test_demo_trains_the_three_and_writes_a_report(capsys, tmp_path, prepared):
     optional("matplotlib")
-    result = run_demo(
-        steps=8, eval_every=4, seq_len=64, batch_size=8, out=tmp_path / "demo", data=prepared, sample_tokens=20
-    )
+    result = run_demo(steps=8, out=tmp_path / "demo", data=prepared, sample_tokens=20, **LM_PART)
     out, err = capsys.readouterr()
     assert "tiny DIFF: 1,345,984 parameters (4 differential heads); tiny standard: 1,345,408 (8 heads)" in out
     assert "difference +576 = 6 layers x 6 x head size 16 (the lambda vectors and the per-head norm)" in out
@@ -57,7 +56,7 @@ def test_demo_trains_the_three_and_writes_a_report(capsys, tmp_path, prepared):
         assert (report / name).stat().st_size > 0
     assert (report / "loss_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "final validation loss" in (report / "report.md").read_text()
-    run_demo(steps=4, eval_every=4, seq_len=64, batch_size=8, out=tmp_path / "demo", data=prepared, sample_tokens=4)
+    run_demo(steps=4, out=tmp_path / "demo", data=prepared, sample_tokens=4, **LM_PART)
     assert (tmp_path / "demo-2" / "report.md").is_file()  # the first report is kept
     assert f"note: {tmp_path / 'demo'} holds an earlier demo, kept as it is; this one writes {tmp_path / 'demo-2'}" in (
         capsys.readouterr().err
@@ -250,6 +249,7 @@ def test_an_interrupted_demo_saves_both_models_and_resumes_to_the_same_result(tm
 
     optional("matplotlib")
     shape = {"steps": 6, "eval_every": 2, "seq_len": 32, "batch_size": 4, "data": prepared, "sample_tokens": 4}
+    shape["part"] = "lm"  # the language models' part alone (test_demo_icl tests part 1)
     straight = run_demo(out=tmp_path / "straight", **shape)
     real_step, calls = Trainer.train_step, []
 

@@ -33,7 +33,7 @@ def test_the_demo_requirements_are_lean_and_pinned_by_the_dev_ones():
 WATCHED = """
 import sys
 from difftransformer.apps.cli import main
-code = main(["demo", "--steps", "2", "--out", sys.argv[1], "--data", sys.argv[2], "--threads", "1"])
+code = main(["demo", "--icl-steps", "2", "--steps", "2", "--out", sys.argv[1], "--data", sys.argv[2], "--threads", "1"])
 DEV = {"lm_eval", "wandb", "tensorboard", "mkdocs", "transformers", "pandas", "pyarrow", "sklearn", "yaml",
        "accelerate", "datasets", "hypothesis"}
 print(sorted({name.split(".")[0] for name in sys.modules} & DEV))
@@ -43,11 +43,12 @@ sys.exit(code)
 
 @pytest.mark.slow
 def test_the_demo_imports_no_development_tool(tmp_path):
-    """A whole demo (2 steps) in a fresh interpreter imports none of what only requirements-dev.txt installs (but
-    triton, which torch._dynamo imports by itself wherever it is installed; a demo in the lean environment, which
-    has none, ran on 2026-12-05)."""
+    """A whole demo (both parts, 2 steps each) in a fresh interpreter imports none of what only requirements-dev.txt
+    installs (but triton, which torch._dynamo imports by itself wherever it is installed; a demo in the lean
+    environment, which has none, ran on 2026-12-05)."""
     done = subprocess.run([sys.executable, "-c", WATCHED, str(tmp_path / "demo"), str(tmp_path / "data")],
                           capture_output=True, text=True, cwd=ROOT)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.splitlines()[-1] == "[]", done.stdout.splitlines()[-1]
     assert (tmp_path / "demo" / "report.md").is_file() and (tmp_path / "demo" / "loss_curves.png").is_file()
+    assert (tmp_path / "demo" / "icl" / "attention.png").is_file()  # both parts ran

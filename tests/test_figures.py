@@ -153,7 +153,9 @@ def test_demo_attention_and_outlier_figures(figures, prepared, tmp_path):
     from difftransformer.training.loop import train
 
     kept, out = figures
-    run_demo(steps=4, eval_every=2, seq_len=64, batch_size=4, out=out / "demo", data=prepared, sample_tokens=4)
+    run_demo(
+        steps=4, eval_every=2, seq_len=64, batch_size=4, out=out / "demo", data=prepared, sample_tokens=4, part="lm"
+    )
     check_all(kept, ["loss_curves", "lambda"])
     for kind in ("diff", "standard"):
         train(small_config(prepared, tmp_path / kind, attention=kind, max_steps=2, ckpt_interval=2), quiet=True)

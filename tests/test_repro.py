@@ -9,7 +9,7 @@ import torch
 from conftest import optional
 
 from difftransformer import TransformerLM
-from difftransformer.apps.analysis import allocation, attention_maps
+from difftransformer.apps.analysis import allocation, attention_maps, span_masks
 from difftransformer.apps.cli import main
 from difftransformer.apps.repro import allocation as allocation_exp
 from difftransformer.apps.repro import icl, needle, suite
@@ -247,7 +247,7 @@ def test_allocation_on_a_hand_made_map():
     maps = torch.zeros(1, 2, 6, 6)
     maps[0, 0, 5] = torch.tensor([0.1, 0.3, 0.2, 0.1, 0.0, 0.3])  # softmax-like: the query's own 0.3 counts nowhere
     maps[0, 1, 5] = torch.tensor([0.2, -0.4, 0.5, -0.1, 0.0, 0.1])  # signed, like a differential map
-    out = allocation(maps, torch.tensor([5]), torch.tensor([[1, 3]]), torch.tensor([4]))
+    out = allocation(maps, torch.tensor([5]), *span_masks(torch.tensor([[1, 3]]), torch.tensor([4]), 6))
     torch.testing.assert_close(out["answer"], torch.tensor([[0.5, 0.1]]))
     torch.testing.assert_close(out["noise"], torch.tensor([[0.2, 0.1]]))
     torch.testing.assert_close(out["answer_abs"], torch.tensor([[0.5, 0.9]]))

@@ -15,6 +15,9 @@ from conftest import optional, small_config
 
 from difftransformer.training.loop import train
 
+# the demo's language-model part alone, at a tiny shape (test_demo_icl tests part 1)
+DEMO_SHAPE = {"steps": 2, "eval_every": 2, "seq_len": 32, "batch_size": 4, "sample_tokens": 4, "part": "lm"}
+
 pytestmark = pytest.mark.slow
 SCRIPT = Path(__file__).with_name("signal_at_write.py")
 
@@ -76,7 +79,7 @@ def test_a_signal_while_the_demo_writes_its_report_keeps_the_models_and_a_resume
     from difftransformer.errors import Interrupted, Stopped
 
     optional("matplotlib")
-    shape = {"steps": 2, "eval_every": 2, "seq_len": 32, "batch_size": 4, "data": prepared, "sample_tokens": 4}
+    shape = {**DEMO_SHAPE, "data": prepared}
     real = demo.write_text_atomic
 
     def stopped(path, text):
@@ -108,7 +111,7 @@ def test_a_full_disk_while_the_demo_writes_its_report_names_the_file_and_the_way
     from difftransformer.fsutil import write_atomic
 
     optional("matplotlib")
-    shape = {"steps": 2, "eval_every": 2, "seq_len": 32, "batch_size": 4, "data": prepared, "sample_tokens": 4}
+    shape = {**DEMO_SHAPE, "data": prepared}
 
     def full(path, text):
         def half(tmp):

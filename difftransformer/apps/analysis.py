@@ -3,8 +3,8 @@ against attention noise).
 
 ``attention_maps`` runs a forward pass and returns, per layer, the map that mixes the values: the differential map
 ``P1 - lambda P2`` for DIFF layers (signed), the softmax map for standard ones; with ``both=True`` a DIFF layer's two
-softmax maps as well. ``allocation`` reads the row of one query position per sequence and sums it over an answer span
-and over the rest of the context, as signed and absolute shares.
+softmax maps as well. ``allocation`` reads the row of one query position per sequence and sums it over the answer's
+positions and over the rest of the context, as signed and absolute shares.
 """
 
 from __future__ import annotations
@@ -49,22 +49,27 @@ def attention_maps(model: TransformerLM, tokens: torch.Tensor, both: bool = Fals
 
 
 def allocation(
-    maps: torch.Tensor, query_pos: torch.Tensor, span: torch.Tensor, context_end: torch.Tensor
+    maps: torch.Tensor, query_pos: torch.Tensor, answer: torch.Tensor, context: torch.Tensor
 ) -> dict[str, torch.Tensor]:
-    """Attention of each sequence's query position to its answer span and to the rest of its context.
+    """Attention of each sequence's query position to its answer positions and to the rest of its context.
 
-    maps: (B, H, T, T) one layer's maps. query_pos: (B,) the row read. span: (B, 2) answer positions [start, end).
-    context_end: (B,) the context is positions [0, context_end); positions after it (the query itself) count in
-    neither share. Returns (B, H) tensors: ``answer`` and ``noise`` (sums of the signed map), ``answer_abs`` and
-    ``noise_abs`` (sums of its absolute value). For a softmax map signed and absolute agree.
+    maps: (B, H, T, T) one layer's maps. query_pos: (B,) the row read. answer, context: (B, T) boolean masks of the
+    answer positions and of the context (the noise is the context less the answer; positions outside the context, the
+    query itself, count in neither share). Returns (B, H) tensors: ``answer`` and ``noise`` (sums of the signed map),
+    ``answer_abs`` and ``noise_abs`` (sums of its absolute value). For a softmax map signed and absolute agree.
     """
-    b, _, _, t = maps.shape
+    b = maps.shape[0]
     rows = maps[torch.arange(b), :, query_pos]  # (B, H, T)
-    pos = torch.arange(t)
-    in_span = (pos[None] >= span[:, :1]) & (pos[None] < span[:, 1:])  # (B, T)
-    in_noise = (pos[None] < context_end[:, None]) & ~in_span
+    in_answer, in_noise = answer & context, context & ~answer
     out = {}
     for name, values in (("", rows), ("_abs", rows.abs())):
-        out["answer" + name] = (values * in_span[:, None]).sum(-1)
+        out["answer" + name] = (values * in_answer[:, None]).sum(-1)
         out["noise" + name] = (values * in_noise[:, None]).sum(-1)
     return out
+
+
+def span_masks(span: torch.Tensor, context_end: torch.Tensor, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """allocation's (answer, context) masks over ``t`` positions for answer spans (B, 2) [start, end) and contexts
+    [0, context_end) (B,)."""
+    pos = torch.arange(t)[None]
+    return (pos >= span[:, :1]) & (pos < span[:, 1:]), pos < context_end[:, None]

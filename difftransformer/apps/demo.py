@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from difftransformer.apps import demo_icl
 from difftransformer.core.model import TransformerLM
 from difftransformer.errors import InputError, Interrupted
 from difftransformer.fsutil import shell, write_json, write_text_atomic
@@ -27,6 +28,8 @@ from difftransformer.training.interrupts import StopSignals
 from difftransformer.training.loop import TrainConfig, Trainer
 
 PROMPTS = ("Return the ", "The module ", "If the ")
+PARTS = ("both", "icl", "lm")  # part 1 (in-context learning, demo_icl), part 2 (the language models), or both
+ICL = "icl"  # part 1's folder in the demo's directory
 REPORTS = Path(__file__).resolve().parents[2] / "experiments" / "reports"
 STUDY = REPORTS / "lm" / "results.json"
 NORM_STUDY = REPORTS / "lm-norm" / "results.json"  # the norm part's report, beside the study's (its own runs)
@@ -68,8 +71,9 @@ def free_run_dir(base: Path) -> Path:
 
 
 def interrupted(run_dir: Path) -> bool:
-    """Whether ``run_dir`` holds a demo that stopped before its report (its models' runs, no report.md)."""
-    return run_dir.is_dir() and not (run_dir / "report.md").exists() and any((run_dir / k).is_dir() for k in KINDS)
+    """Whether ``run_dir`` holds a demo that stopped before its report (a part's folder, no report.md)."""
+    parts = (*KINDS, ICL)
+    return run_dir.is_dir() and not (run_dir / "report.md").exists() and any((run_dir / k).is_dir() for k in parts)
 
 
 def resume_command(run_dir: Path) -> str:
@@ -140,15 +144,33 @@ def run_demo(
     data: str | Path = "data/pydocs",
     sample_tokens: int = 120,
     resume: bool = False,
+    part: str = "both",
+    icl_steps: int = demo_icl.STEPS,
 ) -> dict:
-    """The demo; ``resume``: continue the interrupted demo in ``out`` (each model from its newest checkpoint)."""
+    """The demo: part 1, in-context learning (demo_icl), then part 2, the language models (``part``: "icl", "lm" or
+    "both"); ``resume``: continue the interrupted demo in ``out`` (a finished part 1 is kept, each language model
+    goes on from its newest checkpoint)."""
+    if part not in PARTS:
+        raise InputError(f"unknown part {part!r}; choose one of {', '.join(PARTS)}")
     run_dir = _resumed_dir(Path(out)) if resume else free_run_dir(Path(out))
-    data_dir = demo_data(Path(data))
     if run_dir != Path(out):
         earlier = "an earlier demo"
         if interrupted(Path(out)):
             earlier = f"an interrupted demo (resume it: {resume_command(Path(out))})"
         print(f"note: {out} holds {earlier}, kept as it is; this one writes {run_dir}", file=sys.stderr)
+    part1 = None
+    if part != "lm":
+        hint = f"; {resume_command(run_dir)} runs it again and goes on"
+        part1 = demo_icl.run(run_dir / ICL, icl_steps, resume_hint=hint)
+        if part == "icl":
+            write_text_atomic(run_dir / "report.md", "\n".join(icl_report(part1)))
+            print(f"\nreport: {run_dir / 'report.md'}")
+            return {"icl": part1}
+        print(
+            f"\nthe first result is above and drawn in {run_dir / ICL / 'attention.png'}: you can stop here (Ctrl-C; "
+            f"part 1 is saved, and {resume_command(run_dir)} goes on to part 2)\n"
+        )
+    data_dir = demo_data(Path(data))
     trainers = {}
     default_shape = (seq_len, batch_size, eval_every) == (256, 16, 40)
     progress = Progress(steps, "demo, the three models in turn", expected=REFERENCE_PACE if default_shape else None)
@@ -231,7 +253,7 @@ def run_demo(
         "samples": samples,
     }
     try:  # report.md comes last: until it is there, the demo is one a resume finishes (its models are all saved)
-        write_report(run_dir, rows, summary)
+        write_report(run_dir, rows, summary, part1)
     except OSError as err:  # a full disk
         raise OSError(err.errno, f"{err.strerror or err}; the models are trained and saved: once that is fixed, "
                                  f"{resume_command(run_dir)} writes the report") from err  # fmt: skip
@@ -258,6 +280,10 @@ def run_demo(
 def _introduce(trainers: dict[str, Trainer], steps: int, seq_len: int, batch_size: int) -> None:
     """What the models are, what the demo does and how to read its table."""
     diff, std = trainers["diff"].model, trainers["standard"].model
+    print(
+        "part 2 of 2, language models: tiny DIFF and standard models trained on text, where the project's studies "
+        f"find the paper's V1 behind at this size (the study's numbers are printed at the end); {EXPECTED}"
+    )
     n_diff, n_std = diff.num_parameters(), std.num_parameters()
     vocab, width = diff.config.vocab_size, diff.config.d_model
     print(
@@ -428,8 +454,25 @@ def _short_lines(result: dict) -> list[str]:
     return lines
 
 
-def write_report(run_dir: Path, rows: dict[str, list[dict]], summary: dict) -> None:
-    """report.md, summary.json, loss_curves.png and lambda.png."""
+def icl_report(part1: dict) -> list[str]:
+    """Part 1's section of report.md."""
+    return [
+        "# Demo, part 1: in-context learning",
+        "",
+        "The matched DIFF and standard pair of `difftx repro icl` (seed 0), trained side by side for "
+        f"{part1['steps']} steps. What the demo printed:",
+        "",
+        "```",
+        *(line.lstrip("\n") for line in demo_icl.summary(part1)),
+        "```",
+        "",
+        f"![accuracy and attention]({ICL}/attention.png)",
+        "",
+    ]
+
+
+def write_report(run_dir: Path, rows: dict[str, list[dict]], summary: dict, part1: dict | None = None) -> None:
+    """report.md (part 1's section first when it ran), summary.json, loss_curves.png and lambda.png."""
     from matplotlib.ticker import MaxNLocator
 
     from difftransformer.apps.figures import COLORS, HEADS, finish, pyplot
@@ -471,7 +514,9 @@ def write_report(run_dir: Path, rows: dict[str, list[dict]], summary: dict) -> N
     f, p = summary["final"], summary["parameters"]
     gains = summary["head_norm_gains"]["diff-matched"]
     lines = [
-        "# Demo: tiny DIFF (V1 as published and with the matched gain) and standard Transformer",
+        *(icl_report(part1) if part1 else []),
+        "# Demo" + (", part 2" if part1 else "") + ": tiny DIFF (V1 as published and with the matched gain) and "
+        "standard Transformer on text",
         "",
         f"Each trained for {summary['steps']} steps of {summary['batch_size']} x {summary['seq_len']} byte tokens on "
         f"CPython's documentation, one step of each in turn, same data order and seed, {summary['threads']} "

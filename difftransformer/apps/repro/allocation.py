@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from difftransformer.apps import figures
-from difftransformer.apps.analysis import allocation, attention_maps
+from difftransformer.apps.analysis import allocation, attention_maps, span_masks
 from difftransformer.apps.repro import needle, report
 from difftransformer.apps.repro.fit import FitSpec, find_models, run_pairs, saved_models, scaled_spec
 from difftransformer.apps.repro.tasks import MARK
@@ -49,7 +49,8 @@ def measure(model, spec: FitSpec, depths: list[float], size: int) -> list[dict]:
         nb = needle.eval_set(n, r, seq_len, size, depth, **needle.vocabulary(spec.task))
         span = torch.stack((nb.needle_start, nb.needle_start + 3), dim=1)
         context_end = torch.full_like(nb.answer_pos, seq_len - 3 * r)
-        layers = [allocation(m.mixed, nb.answer_pos, span, context_end) for m in attention_maps(model, nb.tokens)]
+        answer, context = span_masks(span, context_end, nb.tokens.shape[1])
+        layers = [allocation(m.mixed, nb.answer_pos, answer, context) for m in attention_maps(model, nb.tokens)]
         per_depth.append({key: [layer[key].mean(0).tolist() for layer in layers] for key in layers[0]})
     return per_depth
 

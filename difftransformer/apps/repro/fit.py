@@ -162,16 +162,20 @@ def _mean(xs: list[float]) -> float | None:
     return round(sum(xs) / len(xs), 4) if xs else None
 
 
-def run_pairs(job: Callable[[str, int], dict], seeds: list[int], workers: int, steps: int, label: str) -> list[dict]:
+def run_pairs(
+    job: Callable[[str, int], dict], seeds: list[int], workers: int, steps: int, label: str, title: str | None = None
+) -> list[dict]:
     """job(attention, seed) for both attentions and every seed, ``workers`` at a time (one thread each), with a live
-    progress line (``label``) counting the training steps of all of them (``steps`` per model).
+    progress line (``title``, by default one naming the experiment ``label``) counting the training steps of all of
+    them (``steps`` per model).
 
     ``job`` must be picklable (a module-level function or functools.partial of one): workers are spawned.
     """
     tasks = [(attention, seed) for seed in seeds for attention in ATTENTIONS]
     ctx = get_context("spawn")
     counter = ctx.Value("q", 0)
-    progress = Progress(len(tasks) * steps, f"repro {label}: {len(tasks)} models, {min(workers, len(tasks))} at a time")
+    title = title or f"repro {label}: {len(tasks)} models, {min(workers, len(tasks))} at a time"
+    progress = Progress(len(tasks) * steps, title)
     _count_steps(counter)
     try:
         with progress.watching(lambda: counter.value, after="training done; evaluating the models"):
