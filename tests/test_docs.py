@@ -4,6 +4,7 @@ command-line page names every command, and the README tells a new user where `di
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 import shutil
@@ -180,3 +181,35 @@ def test_gitignore_covers_every_output_the_documented_commands_write():
     paths = sorted(p if Path(p).suffix else p.rstrip("/") + "/file" for p in written)
     done = subprocess.run(["git", "check-ignore", "--no-index", *paths], cwd=ROOT, capture_output=True, text=True)
     assert sorted(done.stdout.split()) == paths, f"not ignored: {sorted(set(paths) - set(done.stdout.split()))}"
+
+
+DEMO_RUN = ROOT / "benchmarks" / "results" / "demo_cpu-xeon-2core_2026-12-07"
+
+
+def _stamp(log: str, text: str) -> float:
+    """The seconds stamped on the first line of ``log`` that holds ``text``."""
+    return float(re.search(r"^\[\s*([\d.]+)\] .*" + re.escape(text), log, re.M).group(1))
+
+
+def test_the_readmes_demo_numbers_and_times_are_its_committed_run():
+    """#56: the README's account of `make demo` quotes one committed run (its part 1 results and its stamped output),
+    so that the numbers cannot drift from what was measured."""
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    runs = json.loads((DEMO_RUN / "icl-results.json").read_text())["runs"]
+    log = (DEMO_RUN / "make-demo.log").read_text()
+    d, s = runs["diff"], runs["standard"]
+    quoted = [
+        f"DIFF answered {d['accuracy']:.2f} of new 4-class prompts and the standard model {s['accuracy']:.2f}",
+        f"DIFF's attention put {d['shares']['answer']:+.2f} on the pairs that hold the answer and "
+        f"{d['shares']['noise']:+.2f} on the others",
+        f"model put {s['shares']['answer']:+.2f} on the answer and {s['shares']['noise']:+.2f} on the rest",
+        f"{_stamp(log, '.venv/bin/difftx demo'):.0f} s to create `.venv`",
+        f"{_stamp(log, 'figure: ') - _stamp(log, 'part 1 of 2'):.0f} s for part 1",
+    ]
+    part2 = round(_stamp(log, "report: ") - _stamp(log, "part 2 of 2"))
+    quoted.append(f"{part2 // 60}m{part2 % 60:02d}s for part 2")
+    losses = re.search(r"nats per token: DIFF ([\d.]+), DIFF matched ([\d.]+), standard ([\d.]+)", log).groups()
+    diff, matched, standard = (f"{float(x):.3f}" for x in losses)
+    quoted.append(f"{diff} nats per token against the standard model's {standard} (lower is better), {matched} with")
+    missing = [q for q in quoted if q not in readme]
+    assert not missing, missing
