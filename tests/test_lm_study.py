@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import math
+import re
 import shutil
 from pathlib import Path
 
@@ -521,3 +522,20 @@ def test_the_committed_report_is_rebuilt_from_its_measures(tmp_path, committed):
     assert written == sorted(p.name for p in committed.iterdir() if p.is_file())
     for name in written:
         assert (copy / name).read_bytes() == (committed / name).read_bytes(), f"{name} differs: run redraw, commit"
+
+
+def test_the_demos_closing_block_says_which_way_each_interval_points():
+    """#56: "+0.3055 nats", "-0.7831 nats vs DIFF" without saying lower or higher. Each interval now ends in words,
+    read off the committed study: DIFF behind the standard model at size M, the ablation without the norm ahead of
+    DIFF, and one that spans zero."""
+    from difftransformer.apps.demo import _loss_word, study_context
+
+    assert _loss_word(0.05, 0.56, "DIFF", "the standard model") == "DIFF's loss is higher (worse)"
+    assert _loss_word(-1.2, -0.3, "the variant", "DIFF") == "the variant's loss is lower (better)"
+    assert _loss_word(-0.1, 0.2, "the variant", "DIFF") == "within the seed noise"
+    text = "\n".join(study_context())
+    paired = r"DIFF - standard \+[\d.]+ nats \(95% interval \+[\d.]+ to \+[\d.]+\): DIFF's loss is higher"
+    assert re.search(paired, text)
+    assert re.search(r"without the per-head norm: -[\d.]+ nats vs DIFF \(95% interval -[\d.]+ to -[\d.]+; \d+ steps\): "
+                     r"the variant's loss is lower \(better\)", text)  # fmt: skip
+    assert "as many differential heads as standard heads" in text and "within the seed noise" in text

@@ -432,7 +432,7 @@ def _short_lines(result: dict) -> list[str]:
         n = len(result["paired"]["differences"])
         lines.append(
             f"  size {sc['reference']}, {hi} steps, {n} seeds: DIFF - standard {mean:+.4f} nats (95% interval "
-            f"{low:+.4f} to {high:+.4f})"
+            f"{low:+.4f} to {high:+.4f}): {_loss_word(low, high, 'DIFF', 'the standard model')}"
         )
         grid = result["grid"]
         pairs = {(p["size"], p["steps"]) for p in grid if p["seed"] == 0}
@@ -441,7 +441,7 @@ def _short_lines(result: dict) -> list[str]:
             < next(p["loss"] for p in grid if (p["size"], p["steps"], p["variant"], p["seed"]) == (*key, "standard", 0))
             for key in pairs
         )
-        lines.append(f"  DIFF has the lower loss at {lower} of {len(pairs)} (size, budget) points (seed 0)")
+        lines.append(f"  DIFF has the lower loss at {lower} of {len(pairs)} (size, budget) points (seed 0 of each)")
     shown = {"diff-all-heads": "with as many differential heads as standard heads", "diff-no-head-norm": "without "
              "the per-head norm", "diff-lambda-0.8": "with a constant lambda_init of 0.8"}  # fmt: skip
     for row in result.get("ablations", []):
@@ -449,9 +449,18 @@ def _short_lines(result: dict) -> list[str]:
             mean, low, high = row["interval_minus_diff"]
             lines.append(
                 f"  DIFF {shown[row['variant']]}: {mean:+.4f} nats vs DIFF (95% interval {low:+.4f} to {high:+.4f}; "
-                f"{sc['steps'][1]} steps)"
+                f"{sc['steps'][1]} steps): {_loss_word(low, high, 'the variant', 'DIFF')}"
             )
     return lines
+
+
+def _loss_word(low: float, high: float, first: str, second: str) -> str:
+    """What an interval of ``first``'s loss minus ``second``'s says, in words (lower loss is better)."""
+    if high < 0:
+        return f"{first}'s loss is lower (better)"
+    if low > 0:
+        return f"{first}'s loss is higher (worse)"
+    return "within the seed noise"
 
 
 def icl_report(part1: dict) -> list[str]:

@@ -2,8 +2,9 @@
 paper's, which starts the norm's weight at 1).
 
 A per-head RMSNorm writes each head's output at RMS 1 whatever its input, so an attention block with the norm starts
-at a scale set by its norm's weight, not by its values: at weight 1 and the default ``init_std`` it writes 17 to 33
-times the standard model's attention output (``experiments/reports/lm``). The matched gain of layer ``l`` is the
+at a scale set by its norm's weight, not by its values: at weight 1 and the default ``init_std`` it writes 17 times
+the standard model's attention output in the long study's width-64 model (``experiments/reports/lm``, measured), and
+2.7 to 14 times, layer by layer, in the ``tiny`` preset (1 / its matched gains). The matched gain of layer ``l`` is the
 norm weight at which the block's output has, at initialisation, the RMS of the standard model's attention block in
 the same layer (the standard model of the same configuration, ``attention="standard"``). Derivation (docs/guide/
 modules.md, "The per-head norm's initial gain"):

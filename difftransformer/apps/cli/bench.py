@@ -206,7 +206,7 @@ def bench_command(sub) -> None:
         "context",
         _bench,
         "prefill and a training step against the context length: time and peak memory",
-        "difftx bench context --preset tiny --json results/context-tiny.json",
+        "difftx bench context --preset tiny --json context-tiny.json",
     )
     context.add_argument("--preset", default="tiny", help="the model preset")
     context.add_argument("--seq", type=at_least(1), nargs="+", help="context lengths (default 1024 to 65536, doubling)")

@@ -199,7 +199,8 @@ def markdown(result: dict) -> str:
     lines = [
         "## Activation outliers and quantization (the paper's Table 5 and Figure 8)",
         "",
-        f"The language-model study's DIFF / standard pairs ({result['study']}), each at its own best learning rate, "
+        f"The language-model study's DIFF / standard pairs (its models, in {result['study']} on the machine that ran "
+        "it: a committed report holds no models), each at its own best learning rate, "
         f"on the same {rows[0]['diff']['val_tokens']:,} validation tokens (outliers on "
         f"{rows[0]['diff']['outlier_tokens']:,} of them). Largest absolute values and median, pooled over layers.",
         "",
