@@ -37,7 +37,8 @@ def run(prepared, tmp_path):
         ("convert --from-hf {tmp}/hf --out {tmp}/out", "out", "output directory"),
         ("quantize --run {run} --scheme w8a16 --out {tmp}/out", "out", "output directory"),
         ("analyze outliers --run {run} --run {run} --tokens 256 --out {tmp}/out", "out", "output directory"),
-        ("demo", "data/pydocs", "data directory"),
+        ("demo --part lm", "data/pydocs", "data directory"),
+        ("demo --part icl --icl-steps 2", "runs/demo/icl", "the worker processes' step counter"),
     ],
 )
 def test_a_full_disk_is_a_clear_error_and_leaves_nothing_partial(corpus_dir, run, tmp_path, command, output, what):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 from dataclasses import asdict, replace
 from functools import partial
@@ -28,7 +29,7 @@ from difftransformer.apps.repro import icl
 from difftransformer.apps.repro.fit import ATTENTIONS, FitSpec, fit, run_pairs
 from difftransformer.apps.repro.tasks import EXAMPLE_FEATURES, ICL_EXAMPLE, VOCAB, icl_batch
 from difftransformer.errors import Interrupted
-from difftransformer.fsutil import write_json
+from difftransformer.fsutil import errno_words, io_errno, write_json
 from difftransformer.store.runs import save_run
 from difftransformer.store.tokenizer import IdTokenizer
 
@@ -99,6 +100,7 @@ def run(out: Path, steps: int = STEPS, workers: int | None = None, resume_hint: 
     """Train the pair into ``out`` (or read the finished part there), print what it found, draw attention.png."""
     result = done(out)
     if result is None:
+        shutil.rmtree(out / "models", ignore_errors=True)  # an unfinished part 1 starts again from the beginning
         out.mkdir(parents=True, exist_ok=True)  # from here on the demo's folder is one a resume goes on with
         workers = workers or min(2, os.cpu_count() or 1)
         print(
@@ -116,6 +118,13 @@ def run(out: Path, steps: int = STEPS, workers: int | None = None, resume_hint: 
             signum = getattr(err, "signum", int(signal.SIGINT))
             raise Interrupted(signum, f"stopped by {signal.Signals(signum).name} in the demo's first part (it "
                                       f"starts again from the beginning){resume_hint}") from None  # fmt: skip
+        except OSError as err:  # a full disk: nothing of part 1 is kept
+            shutil.rmtree(out, ignore_errors=True)
+            number = io_errno(err)
+            if number is None or str(err.strerror).startswith("could not write"):
+                raise
+            raise OSError(number, f"could not write the demo's part 1 {out}: {errno_words(number)}; nothing of it "
+                                  "was left") from err  # fmt: skip
         result = {
             "steps": steps,
             "seed": SEED,
