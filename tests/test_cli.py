@@ -25,7 +25,7 @@ def test_demo_trains_the_three_and_writes_a_report(capsys, tmp_path, prepared):
     assert "difference +576 = 6 layers x 6 x head size 16 (the lambda vectors and the per-head norm)" in out
     assert "of its attention weights are negative" in out
     assert "loss DIFF loss DIFF matched loss standard bpb DIFF bpb DIFF matched bpb standard" in out
-    assert "about 6.5 minutes on 2 idle CPU cores" in out and "lower is better" in out  # how long, what it means
+    assert "about 6 minutes on 2 idle CPU cores" in out and "lower is better" in out  # how long, what it means
     assert re.search(r"one step of each model in turn, \d+ threads? \(OpenMP [a-z ,]+; --threads N sets the count\)",
                      out)  # fmt: skip
     assert "openmp_wait_policy" in result

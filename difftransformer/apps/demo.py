@@ -41,9 +41,9 @@ MODELS = {
 }
 KINDS = tuple(MODELS)
 NAMES = {"diff": "DIFF", "diff-matched": "DIFF matched", "standard": "standard"}  # in the text and the figures
-# `time difftx demo` (what `make demo` runs once .venv exists) with the corpus not yet prepared, idle 2-core Xeon VM,
-# one step of each of the three models in turn (2026-12-05): 6m24s, of which 6m11s training
-EXPECTED = "about 6.5 minutes on 2 idle CPU cores"
+# the part on idle 2-core Xeon VMs, one step of each of the three models in turn: 6m24s with the corpus prepared
+# (2026-12-05), 5m41s (a fresh clone's make demo, 2026-12-07: benchmarks/results/demo_cpu-xeon-2core_2026-12-07)
+EXPECTED = "about 6 minutes on 2 idle CPU cores"
 # the pace of that run's training (240 rounds of three steps in 6m11s, validations included), for the live line to
 # name a pace far below it (Progress's `expected`); only at the demo's default shape
 REFERENCE_PACE = (240 / 371, "2 idle cores' pace")

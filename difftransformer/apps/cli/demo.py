@@ -65,7 +65,7 @@ def demo_command(sub) -> None:
         sub,
         "demo",
         _demo,
-        "part 1 (about 1.5 minutes): DIFF and standard trained side by side on in-context learning, their accuracy "
+        "part 1 (75 to 95 s): DIFF and standard trained side by side on in-context learning, their accuracy "
         "and attention drawn; part 2: tiny DIFF (V1 as published and with the matched gain) and standard language "
         "models; a report",
         "difftx demo\ndifftx demo --part icl\ndifftx demo --part lm --steps 240 --out runs/demo",
