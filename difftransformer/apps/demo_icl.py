@@ -108,8 +108,8 @@ def run(out: Path, steps: int = STEPS, workers: int | None = None, resume_hint: 
             f"part 1 of 2, in-context learning: DIFF and standard trained side by side ({workers} process"
             f"{'es' if workers > 1 else ''}, one thread each) for {steps} steps; "
             + (f"{EXPECTED}" if steps == STEPS else f"{steps} of the {STEPS} steps the default takes")
-            + ". Each episode shows 'feature label' demonstrations of 4 to 8 classes, whose labels change from episode "
-            "to episode, then a feature: the model must name its class's label from the demonstrations alone",
+            + ". Each episode shows 'feature label' demonstrations of 2, 4 or 8 classes, whose labels change from "
+            "episode to episode, then a feature: the model must name its class's label from the demonstrations alone",
             flush=True,
         )
         title = f"demo part 1: DIFF and standard, {min(workers, 2)} at a time"
