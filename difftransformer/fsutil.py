@@ -88,11 +88,10 @@ def write_atomic(path: str | Path, write: Callable[[Path], object]) -> None:
         os.replace(tmp, path)
     except BaseException as err:
         tmp.unlink(missing_ok=True)
-        number = io_errno(err)
-        if number is None:
-            raise
         kept = "the earlier file is unchanged" if path.exists() else "nothing of it was left"
-        raise OSError(number, f"could not write {path}: {errno_words(number)}; {kept}") from err
+        if (failure := write_failure(err, path, kept)) is None:
+            raise
+        raise failure from err
 
 
 def _read_umask() -> int:
@@ -173,11 +172,17 @@ def write_new_dir(out: str | Path, what: str, write: Callable[[Path], T]) -> T:
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(err, KeyboardInterrupt):  # a signal: the one-line message says what was not written
             err.discarded = [*getattr(err, "discarded", []), f"{what} {given}"]
-        number = io_errno(err)
-        if number is None:
+        if (failure := write_failure(err, f"{what} {given}")) is None:
             raise
-        raise OSError(number, f"could not write {what} {given}: {errno_words(number)}; nothing of it was left") from err
+        raise failure from err
     return result
+
+
+def write_failure(err: BaseException, what: str | Path, kept: str = "nothing of it was left") -> OSError | None:
+    """The one-line error of a write of ``what`` that ``err`` ended ("could not write WHAT: its cause in words; what
+    was kept"), or None when ``err`` is not a failed read or write (then the caller re-raises it as it is)."""
+    number = io_errno(err)
+    return None if number is None else OSError(number, f"could not write {what}: {errno_words(number)}; {kept}")
 
 
 def io_errno(err: BaseException) -> int | None:

@@ -29,7 +29,7 @@ from difftransformer.apps.repro import icl
 from difftransformer.apps.repro.fit import ATTENTIONS, FitSpec, fit, run_pairs
 from difftransformer.apps.repro.tasks import EXAMPLE_FEATURES, ICL_EXAMPLE, VOCAB, icl_batch
 from difftransformer.errors import Interrupted
-from difftransformer.fsutil import errno_words, io_errno, write_json
+from difftransformer.fsutil import write_failure, write_json
 from difftransformer.store.runs import save_run
 from difftransformer.store.tokenizer import IdTokenizer
 
@@ -121,11 +121,10 @@ def run(out: Path, steps: int = STEPS, workers: int | None = None, resume_hint: 
                                       f"starts again from the beginning){resume_hint}") from None  # fmt: skip
         except OSError as err:  # a full disk: nothing of part 1 is kept
             shutil.rmtree(out, ignore_errors=True)
-            number = io_errno(err)
-            if number is None or str(err.strerror).startswith("could not write"):
+            failure = write_failure(err, f"the demo's part 1 {out}")
+            if failure is None or str(err.strerror).startswith("could not write"):  # not a write, or named already
                 raise
-            raise OSError(number, f"could not write the demo's part 1 {out}: {errno_words(number)}; nothing of it "
-                                  "was left") from err  # fmt: skip
+            raise failure from err
         result = {
             "steps": steps,
             "seed": SEED,

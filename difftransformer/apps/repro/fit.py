@@ -28,7 +28,7 @@ from difftransformer.core.attention.logits import LogitQuantizer, check_bits, lo
 from difftransformer.core.config import ModelConfig
 from difftransformer.core.model import TransformerLM
 from difftransformer.errors import InputError
-from difftransformer.fsutil import errno_words, io_errno
+from difftransformer.fsutil import write_failure
 from difftransformer.progress import Progress
 from difftransformer.store.runs import MODEL_CONFIG, load_run, save_run
 from difftransformer.store.tokenizer import IdTokenizer
@@ -177,11 +177,9 @@ def run_pairs(
     try:
         counter = ctx.Value("q", 0)  # shared memory: a temporary file, which a full disk refuses
     except OSError as err:
-        number = io_errno(err)
-        if number is None:
+        if (failure := write_failure(err, "the worker processes' step counter (a temporary file)")) is None:
             raise
-        raise OSError(number, f"could not write the worker processes' step counter (a temporary file): "
-                              f"{errno_words(number)}; nothing of it was left") from err  # fmt: skip
+        raise failure from err
     title = title or f"repro {label}: {len(tasks)} models, {min(workers, len(tasks))} at a time"
     progress = Progress(len(tasks) * steps, title)
     _count_steps(counter)
