@@ -79,9 +79,14 @@ def test_the_tutorials_python_imports_what_the_demo_installs():
     here instead, against what requirements-demo.txt installs and Python's own library."""
     demo = {"torch", "difftransformer", "transformers"}
     for page in TUTORIALS:
-        code = "\n".join(c for kind, c in BLOCK.findall(page.read_text()) if kind == "python")
-        imported = {m.split(".")[0] for m in re.findall(r"^\s*(?:from|import) ([\w.]+)", code, re.M)}
+        imported = python_imports(page.read_text())
         assert imported <= demo | sys.stdlib_module_names, (page.name, imported - demo - sys.stdlib_module_names)
+
+
+def python_imports(text: str) -> set[str]:
+    """The top-level packages that the python blocks of ``text`` import (at any indentation)."""
+    code = "\n".join(c for kind, c in BLOCK.findall(text) if kind == "python")
+    return {m.split(".")[0] for m in re.findall(r"^\s*(?:from|import) ([\w.]+)", code, re.M)}
 
 
 # The README's blocks that no test runs: the set-up (`make test` is this suite; `make demo` is run_demo's test at
@@ -120,8 +125,7 @@ def test_the_readme_runs_as_written(tmp_path, monkeypatch):
 
 
 def test_the_readmes_python_imports_what_the_demo_installs():
-    code = "\n".join(c for kind, c in BLOCK.findall((ROOT / "README.md").read_text()) if kind == "python")
-    imported = {m.split(".")[0] for m in re.findall(r"^(?:from|import) ([\w.]+)", code, re.M)}
+    imported = python_imports((ROOT / "README.md").read_text())
     assert imported == {"torch", "difftransformer"}, imported
 
 
