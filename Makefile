@@ -58,14 +58,19 @@ demo: $(DEMO_STAMP)
 # DIFFTX_REQUIRE_OPTIONAL=1: the pinned environment has every optional dependency, so none of their tests may skip;
 # --durations: the 15 slowest tests, so that every run (CI's included) says where the suite's time goes. The GPU
 # rehearsal (marked gpu_image, 7 minutes) runs in make test-gpu-image, on the GPU machine's versions, as CI runs it
+# -n: pytest-xdist's worker processes (TEST_WORKERS, default 2: one per core of the project's machines; each worker's
+# torch runs 1 thread, tests/conftest.py), whole modules to a worker (--dist loadscope) so that a module's fixtures
+# are built once
+TEST_WORKERS ?= 2
+PYTEST_WORKERS = -n $(TEST_WORKERS) --dist loadscope
 test: $(STAMP) lint
-	DIFFTX_REQUIRE_OPTIONAL=1 $(BIN)/python -m pytest -q --durations=15 -m "not gpu_image"
+	DIFFTX_REQUIRE_OPTIONAL=1 $(BIN)/python -m pytest -q $(PYTEST_WORKERS) --durations=15 -m "not gpu_image"
 	@$(HINT)
 
-# the fast tier: every test not marked slow (1251 tests in 4m44s on two idle cores, 2026-12-07, .venv already made;
-# a first run adds its set-up)
+# the fast tier: every test not marked slow (1271 tests in 48 s on two idle cores with 2 workers, 2026-12-07, .venv
+# already made; a first run adds its set-up)
 test-quick: $(STAMP)
-	DIFFTX_REQUIRE_OPTIONAL=1 $(BIN)/python -m pytest -q -m "not slow"
+	DIFFTX_REQUIRE_OPTIONAL=1 $(BIN)/python -m pytest -q $(PYTEST_WORKERS) -m "not slow"
 
 .venv-tf%/.installed: tests/interop/requirements-%.txt
 	test -x .venv-tf$*/bin/python || $(PYTHON) -m venv .venv-tf$*
@@ -84,7 +89,7 @@ test-interop: $(STAMP) $(INTEROP_STAMPS)
 	touch $@
 
 test-floor: .venv-floor/.installed
-	PYTHONPATH=$(CURDIR) .venv-floor/bin/python -m pytest -q -p no:cacheprovider -m "not slow"
+	PYTHONPATH=$(CURDIR) .venv-floor/bin/python -m pytest -q -p no:cacheprovider $(PYTEST_WORKERS) -m "not slow"
 
 # The GPU machine's versions (Python 3.12, torch 2.11, Triton 3.6, transformers 5.17 and the rest of its image,
 # pinned in tests/gpu_image), in .venv-gpu-image with this checkout on the path: the GPU rehearsal (gpu.sh --cpu, the

@@ -36,6 +36,13 @@ def optional(module: str):
     return pytest.importorskip(module, reason=f"needs {module}: {install_hint(extra)}")
 
 
+# Under pytest-xdist (make test runs one worker per core) each worker's own torch work runs on 1 thread, so that the
+# workers do not oversubscribe the cores; tests that need 2 threads set them (the threads fixture), and the
+# processes that tests start keep their own defaults.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+
+
 @pytest.fixture(autouse=True)
 def _seed_and_threads():
     torch.manual_seed(0)

@@ -55,7 +55,9 @@ def test_the_docstring_names_every_argument(name):
     assert documented == wanted, f"{name}: Args lists {documented}, the signature has {wanted}"
 
 
-@pytest.mark.parametrize("name", PUBLIC)
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=pytest.mark.slow) if n.endswith("lm_eval_perplexity") else n for n in PUBLIC]
+)  # lm-eval's example evaluates a model through it: 10 s
 def test_the_examples_run(name, tmp_path, monkeypatch):
     obj = _object(name)
     assert "examples" in _sections(obj), f"{name} has no Examples section"

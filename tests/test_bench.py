@@ -178,6 +178,7 @@ def test_bench_threads_times_each_piece_of_work_at_both_counts(tmp_path, capsys,
     assert torch.get_num_threads() == before  # restored
 
 
+@pytest.mark.slow  # a process or more of its own (the fast tier, make test-quick, stays within a minute)
 def test_bench_context_measures_each_t_in_its_own_process_and_resumes(tmp_path, capsys, monkeypatch):
     from difftransformer.apps import bench_context
 
@@ -247,6 +248,7 @@ def test_a_rerun_decides_its_skips_again(tmp_path, monkeypatch):
     assert [e["seq"] for e in rows if "seconds" in e] == [1000, 2000, 4000] and len(rows) == 3
 
 
+@pytest.mark.slow
 def test_a_t_beyond_the_memory_budget_is_a_result_not_a_crash():
     """The child's data segment is capped at the budget: the allocation that would exceed it fails inside torch and
     the child reports that T as not fitting (a KV cache of 64 x 4096 slots x 6 layers, 1.5 GiB, in a 1 GiB budget)."""

@@ -38,7 +38,7 @@ SMALLER = {
     ("bench", "quantized"): ["--context", "16", "--tokens", "2", "--repeats", "1"],
     ("bench", "threads"): ["--preset", "tiny", "--seq", "32", "--batch", "1", "--repeats", "1"],
     ("bench", "load"): ["--seq", "16", "--batch", "1", "--rounds", "1", "--repeats", "1"],
-    ("bench", "context"): ["--seq", "16", "32", "--repeats", "1"],
+    ("bench", "context"): ["--seq", "16", "--repeats", "1"],  # each T is 3 processes: one T
     ("repro",): ["--seeds", "1", "--steps", "2", "--workers", "1"],
     ("analyze", "outliers"): ["--tokens", "128", "--batch", "1"],
 }

@@ -304,6 +304,7 @@ def test_hf_weights_missing_or_not_finite_are_refused(prepared, tmp_path, capsys
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 
+@pytest.mark.slow  # a process or more of its own (the fast tier, make test-quick, stays within a minute)
 def test_an_hf_directorys_own_code_is_never_run(prepared, tmp_path, capsys):
     """A config whose model_type is unknown and whose auto_map names code in the directory: transformers is called
     with trust_remote_code=False, so the code is not run and nothing asks on the terminal; a clear error, exit 2."""

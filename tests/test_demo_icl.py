@@ -64,6 +64,7 @@ def test_the_answer_is_the_demonstrations_of_the_querys_class(monkeypatch):
     assert m["shares"]["noise"] == 0 and m["shares"]["noise_abs"] == 0
 
 
+@pytest.mark.slow  # a process or more of its own (the fast tier, make test-quick, stays within a minute)
 def test_part_one_trains_both_side_by_side_draws_and_reports(tmp_path, capsys):
     optional("matplotlib")
     result = demo.run_demo(out=tmp_path / "demo", part="icl", icl_steps=4)["icl"]

@@ -2,6 +2,7 @@
 (benchmarks/gpu_check.py --cpu), so that what fails there is found here and the day a GPU is lent its only unknown is
 the device."""
 
+import functools
 import os
 import re
 import subprocess
@@ -73,6 +74,7 @@ def test_the_script_runs_again_at_once_and_keeps_its_budget(tmp_path):
                      r"benchmarks/gpu_check.py --out .* --cpu --only cache$", tight, re.M), tight  # fmt: skip
 
 
+@functools.cache  # one process for the tests that read it
 def _plan() -> dict[str, tuple[int, int]]:
     proc = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--plan"], cwd=ROOT, capture_output=True,
                           text=True, check=True)  # fmt: skip

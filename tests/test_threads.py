@@ -35,6 +35,7 @@ def _openmp_spin(env: dict) -> str:
     return spin[0].split("=", 1)[1].strip().strip("'")
 
 
+@pytest.mark.slow  # a process or more of its own (the fast tier, make test-quick, stays within a minute)
 def test_the_command_line_makes_openmp_wait_passively_unless_the_environment_chose():
     assert _openmp_spin({}) == "0"
     assert _openmp_spin({"OMP_WAIT_POLICY": "ACTIVE"}) != "0"  # the user's choice is kept
@@ -51,6 +52,7 @@ LIBRARY_FIRST = "import os, difftransformer, torch; torch.set_num_threads(2); pr
 TORCH_FIRST = "import os, torch; torch.set_num_threads(2); import difftransformer; import difftransformer.core"
 
 
+@pytest.mark.slow
 def test_importing_the_library_first_makes_openmp_wait_passively_as_the_command_line_does():
     """#56: the tutorial's train(cfg) took 51-58 s on a busy machine against 11 s with the passive wait only difftx
     set. Importing difftransformer before torch sets it, as OpenMP itself reports; the user's choice is kept."""
@@ -61,6 +63,7 @@ def test_importing_the_library_first_makes_openmp_wait_passively_as_the_command_
     assert "GOMP_SPINCOUNT = '1000'" in _library(LIBRARY_FIRST, {"GOMP_SPINCOUNT": "1000"}).stderr
 
 
+@pytest.mark.slow
 def test_a_program_that_imported_torch_first_is_told_once_with_the_fix():
     done = _library(TORCH_FIRST, {})
     warned = [line for line in done.stderr.splitlines() if "SpinningThreadsWarning" in line]

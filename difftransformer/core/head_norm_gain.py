@@ -168,16 +168,24 @@ def _causal_means(c: torch.Tensor, logit_var: float) -> torch.Tensor:
     return out
 
 
-def averaged_value_rms(config, collision: float, positions: int | None = None) -> list[float]:
+def averaged_value_rms(
+    config, collision: float, positions: int | None = None, layers: int | None = None
+) -> list[float]:
     """Per layer, ``rho_l``: the RMS over positions of the causal mean of the normalised inputs of the standard
     model of ``config``'s shape, at initialisation (see the module docstring), for tokens that coincide with
-    probability ``collision``, over ``positions`` (default ``config.max_seq_len``)."""
+    probability ``collision``, over ``positions`` (default ``config.max_seq_len``); the first ``layers`` layers only
+    (default all: a layer's value depends only on the layers before it)."""
     t = positions or config.max_seq_len
-    return list(_rho(config.d_model, config.n_layers, config.ffn_dim, t, config.norm_eps, config.init_std, collision))
+    n = config.n_layers if layers is None else min(layers, config.n_layers)
+    return list(
+        _rho(config.d_model, config.n_layers, config.ffn_dim, t, config.norm_eps, config.init_std, collision, n)
+    )
 
 
 @functools.lru_cache(maxsize=64)
-def _rho(d: int, n_layers: int, ffn_dim: int, t: int, eps: float, std: float, collision: float) -> tuple[float, ...]:
+def _rho(
+    d: int, n_layers: int, ffn_dim: int, t: int, eps: float, std: float, collision: float, first: int
+) -> tuple[float, ...]:
     out_var = std * std / (2 * n_layers)  # out_proj and down_proj (TransformerLM.reset_parameters)
     in_var = std * std * d  # one row of q/k/v/gate/up times a unit-RMS input
     kernel = _swiglu_kernel(in_var)
@@ -189,7 +197,7 @@ def _rho(d: int, n_layers: int, ffn_dim: int, t: int, eps: float, std: float, co
         return (cov * inv[:, None]).mul_(inv[None, :])
 
     rho = []
-    for _ in range(n_layers):
+    for _ in range(first):
         means = _causal_means(normalised(cov), in_var * in_var)  # logits q.k / sqrt(d): variance (std^2 D)^2
         rho.append(math.sqrt(means.diagonal().mean().item()))
         cov.add_(means, alpha=out_var * d * in_var)  # the attention block: out_proj(v_proj(causal means))
@@ -200,7 +208,7 @@ def _rho(d: int, n_layers: int, ffn_dim: int, t: int, eps: float, std: float, co
     return tuple(rho)
 
 
-def matched_gains(config: Any, collision: float | None = None) -> tuple[float, ...]:
+def matched_gains(config: Any, collision: float | None = None, layers: int | None = None) -> tuple[float, ...]:
     """The per-layer initial weight of the per-head norm that gives the attention blocks of ``config`` (``diff``,
     or ``standard`` with ``head_norm``) the standard model's output RMS at initialisation: what
     ``ModelConfig(head_norm_gain="matched")`` starts the norms at (the module docstring derives it).
@@ -209,9 +217,11 @@ def matched_gains(config: Any, collision: float | None = None) -> tuple[float, .
         config: the model's ModelConfig (its sizes, context, ``init_std``, ``lambda_init`` and attention).
         collision: the probability that two positions hold the same token (``token_collision``); None: the config's
             ``head_norm_collision``, else Zipf's law over the vocabulary (``zipf_collision``).
+        layers: the first ``layers`` layers' gains only (default all); each layer's gain depends only on the layers
+            before it, and the propagation costs a (context x context) covariance per layer.
 
     Returns:
-        One gain per layer.
+        One gain per layer (of the first ``layers``).
 
     Examples:
         >>> from difftransformer import ModelConfig
@@ -223,9 +233,9 @@ def matched_gains(config: Any, collision: float | None = None) -> tuple[float, .
     p = zipf_collision(config.vocab_size) if collision is None else float(collision)
     if not 0 <= p <= 1:
         raise ValueError(f"collision is a probability in [0, 1], got {collision!r}")
-    rho = averaged_value_rms(config, p)
+    rho = averaged_value_rms(config, p, layers=layers)
     factor = math.sqrt(config.d_model) * config.init_std
     if config.attention != "diff":
         return tuple(factor * r for r in rho)
     lam = [lambda_init_fn(i) if config.lambda_init is None else config.lambda_init for i in range(config.n_layers)]
-    return tuple(factor * r / (1 - x) for r, x in zip(rho, lam, strict=True))
+    return tuple(factor * r / (1 - x) for r, x in zip(rho, lam[: len(rho)], strict=True))
