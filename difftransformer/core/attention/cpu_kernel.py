@@ -256,7 +256,7 @@ def fused_decode_heads(attn, q, k, v, causal, mask) -> torch.Tensor:
     return torch.ops.difftx.diff_decode_heads(
         q.contiguous(), k, v, attn.lambda_q1, attn.lambda_k1, attn.lambda_q2, attn.lambda_k2, attn.lambda_init,
         attn.scaling, causal, mask, None if norm is None else norm.weight, 0.0 if norm is None else norm.eps,
-        (1 - attn.lambda_init) * attn.head_scale,
+        attn.head_factor,
     )  # fmt: skip
 
 

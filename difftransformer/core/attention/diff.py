@@ -195,6 +195,13 @@ class MultiheadDiffAttn(AttentionBase):
         warn_unknown_pairing(prefix, self.num_heads, self.num_kv_heads, version)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, *args, **kwargs)
 
+    @property
+    def head_factor(self) -> float:
+        """The constant on each head's output after its norm: ``1 - lambda_init`` (the paper's), times the fixed gain
+        of ``head_norm_gain_fixed`` (``head_scale``, else 1). Every path (the module and the fused decode kernel)
+        takes it from here."""
+        return (1 - self.lambda_init) * self.head_scale
+
     def lambda_full(self) -> torch.Tensor:
         """The current lambda: a float32 scalar shared by all heads of this layer."""
         dtype = softmax_dtype(self.lambda_q1)
@@ -237,9 +244,9 @@ class MultiheadDiffAttn(AttentionBase):
         else:  # the same A by the exact method chosen at construction, without holding the maps
             attn = self.method(q, k, v, lam, scale=self.scaling, causal=causal, mask=mask)
         if self.subln is not None:  # out_proj(RMSNorm(A) * (1 - lambda_init)), the factor folded into the norm's weight
-            out = head_norm_project(attn, self.subln, (1 - self.lambda_init) * self.head_scale, self.out_proj)
+            out = head_norm_project(attn, self.subln, self.head_factor, self.out_proj)
         else:  # the ablation without the per-head norm keeps the factor
-            out = self.out_proj((attn * (1 - self.lambda_init)).transpose(1, 2).reshape(b, t, -1))
+            out = self.out_proj((attn * self.head_factor).transpose(1, 2).reshape(b, t, -1))
         return (out, weights) if need_weights else out
 
     def _decodes_fused(self, q, k, v) -> bool:
