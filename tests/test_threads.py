@@ -5,6 +5,7 @@ its rows."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -137,14 +138,22 @@ def test_bench_loads_verdict_compares_the_default_with_the_best_and_the_old_defa
 
 
 @pytest.mark.slow
-def test_bench_load_runs_each_setting_as_it_says(monkeypatch):
+def test_bench_load_runs_each_setting_as_it_says(monkeypatch, tmp_path):
     """The benchmark's processes really run at the thread count and wait policy their rows name: torch reports the
     threads, GNU OpenMP its spin count (300000 by default, 0 passive, 1000 as set). With OMP_WAIT_POLICY=PASSIVE in
-    this process's environment (as difftx sets it), the 'default' settings still run at OpenMP's default."""
-    from difftransformer.apps.bench_load import bench_load
+    this process's environment (as difftx sets it), the 'default' settings still run at OpenMP's default. Run as
+    `difftx bench load --help`'s example prints it, at a cut size (tests/test_cli_examples.py leaves it to this
+    test)."""
+    from difftransformer.apps.cli import build_parser, main
+    from difftransformer.apps.cli.parsing import leaf_commands
 
+    (example,) = dict(leaf_commands(build_parser()))[("bench", "load")].epilog.splitlines()[1:]
+    assert example.strip() == "difftx bench load --threads 2 --json load.json"
     monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
-    result = bench_load(threads=2, preset="tiny", seq=16, batch=1, repeats=1, rounds=1)
+    monkeypatch.chdir(tmp_path)
+    cut = ["--preset", "tiny", "--seq", "16", "--batch", "1", "--repeats", "1", "--rounds", "1"]
+    assert main([*example.split()[1:], *cut]) == 0
+    result = json.loads((tmp_path / "load.json").read_text())
     seen = {row["setting"]: row["seen"] for row in result["rows"]}
     assert seen == {
         "1 thread, OpenMP's default": {"threads": 1, "spin_count": 300000},
