@@ -146,6 +146,8 @@ def test_the_first_layers_gains_are_the_whole_models_first():
     config = ModelConfig.preset("small", vocab_size=2048)
     assert matched_gains(config, 0.01, 3) == matched_gains(config, 0.01)[:3]
     assert len(matched_gains(config, 0.01, 99)) == config.n_layers
+    with pytest.raises(ValueError, match="layers counts the first layers to compute, at least 1"):
+        matched_gains(config, 0.01, 0)
 
 
 def test_token_collision_counts_equal_pairs():

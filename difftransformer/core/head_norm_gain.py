@@ -176,6 +176,8 @@ def averaged_value_rms(
     probability ``collision``, over ``positions`` (default ``config.max_seq_len``); the first ``layers`` layers only
     (default all: a layer's value depends only on the layers before it)."""
     t = positions or config.max_seq_len
+    if layers is not None and not (isinstance(layers, int) and layers >= 1):
+        raise ValueError(f"layers counts the first layers to compute, at least 1 (or None for all); got {layers!r}")
     n = config.n_layers if layers is None else min(layers, config.n_layers)
     return list(
         _rho(config.d_model, config.n_layers, config.ffn_dim, t, config.norm_eps, config.init_std, collision, n)
