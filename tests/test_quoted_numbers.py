@@ -16,9 +16,8 @@ from difftransformer import ModelConfig
 from difftransformer.core.head_norm_gain import matched_gains
 
 ROOT = Path(__file__).resolve().parents[1]
+# docs/paper.md is left out: its numbers are the paper's, not these studies'
 PAGES = [ROOT / "README.md", *sorted(p for p in (ROOT / "docs").rglob("*.md") if p.name != "paper.md")]
-# docs/paper.md quotes the paper, not these studies; its sentences that quote a study name their report and are read
-PAPER = ROOT / "docs" / "paper.md"
 
 SOURCE = re.compile(r"((?:experiments/reports|experiments/calibration/results|benchmarks/results)/[\w.-]+)")
 # a decimal number or a percentage (not 1.5e-3, 1.3M or 13.1b), with its sign (none in a margin, "+-0.04", or in a
@@ -62,7 +61,7 @@ def _numbers(text: str, pattern: re.Pattern = NUMBER) -> list[tuple[str, float, 
     found = []
     for m in pattern.finditer(text):
         sign, body = m.group(1) or "", m.group(2).rstrip("%")
-        value = float(body) * (-1 if sign in "-−" and sign else 1)
+        value = -float(body) if sign in ("-", "−") else float(body)
         found.append((m.group(0), value, len(body.partition(".")[2]), sign in ("", "+-")))
     return found
 

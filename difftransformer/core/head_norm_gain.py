@@ -239,5 +239,5 @@ def matched_gains(config: Any, collision: float | None = None, layers: int | Non
     factor = math.sqrt(config.d_model) * config.init_std
     if config.attention != "diff":
         return tuple(factor * r for r in rho)
-    lam = [lambda_init_fn(i) if config.lambda_init is None else config.lambda_init for i in range(config.n_layers)]
-    return tuple(factor * r / (1 - x) for r, x in zip(rho, lam[: len(rho)], strict=True))
+    lam = [lambda_init_fn(i) if config.lambda_init is None else config.lambda_init for i in range(len(rho))]
+    return tuple(factor * r / (1 - x) for r, x in zip(rho, lam, strict=True))
