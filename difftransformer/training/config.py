@@ -15,6 +15,7 @@ from difftransformer.fsutil import parse_json_object, read_text
 from difftransformer.training.distributed import PARALLEL_MODES
 from difftransformer.training.tracking import parse_sinks
 
+OVERFIT_PASSES = 4  # passes over the training tokens past which a run is told it may overfit
 # What a resume may change: the length of the run, where its data lies, and how it runs (none of these changes the
 # optimisation up to the step it stopped at). Everything else is part of the run's recipe.
 RESUMABLE = (
@@ -240,6 +241,43 @@ class TrainConfig:
                 f"{self.seq_len} exceeds the model's max_seq_len {model_config.max_seq_len}; train on shorter windows "
                 "or raise max_seq_len in `model`",
             )
+
+    def take_model_from(self, start: ModelConfig) -> None:
+        """A run started from another's weights (``init_from``, whose model is ``start``) has that run's model:
+        `model` overrides and another `attention` are refused (they would be ignored), and no preset is recorded."""
+        source = f"`init_from` {self.init_from} is a {start.attention!r} model (its model_config.json)"
+        if self.model:
+            raise ConfigError("TrainConfig", "model", f"cannot be given with {source}: drop it")
+        if self.attention != start.attention:
+            raise ConfigError("TrainConfig", "attention", f"is {self.attention!r}, but {source}: drop it")
+        self.preset = None
+
+    def passes_note(self, have: int) -> str | None:
+        """A note when the run reads its ``have`` training tokens more than OVERFIT_PASSES times: past a few passes
+        a model memorises its data (validation loss rises while training loss falls)."""
+        passes = self.max_steps * self.batch_size * self.seq_len / have
+        if passes <= OVERFIT_PASSES:
+            return None
+        keep = (
+            "keep_best keeps the checkpoint with the lowest validation loss"
+            if self.keep_best
+            else "to keep the checkpoint with the lowest validation loss, set keep_best (difftx train --keep-best); "
+            "or train on more data or for fewer steps"
+        )
+        return (
+            f"this run reads its {have:,} training tokens {passes:.1f} times over ({self.max_steps:,} steps of "
+            f"{self.batch_size} x {self.seq_len} tokens): after about {OVERFIT_PASSES} passes a model starts to "
+            f"memorise its training text and its validation loss to rise; {keep}"
+        )
+
+    def recipe(self) -> dict[str, Any]:
+        """The config as the run trains with it (absolute paths, and what a resume changed): what
+        train_config.json and every checkpoint's state.json record."""
+        saved = self.to_dict()
+        for name in ("data", "init_from"):
+            if saved[name] is not None:
+                saved[name] = str(Path(saved[name]).resolve())
+        return saved
 
     def to_dict(self) -> dict[str, Any]:
         """The fields saved with a run: all but ``out``."""

@@ -11,15 +11,21 @@ deletes the newest calm checkpoint while every newer one is spiked, and a run th
 
 Between checkpoints, the training loss smoothed over about four steps (an exponential moving average with weight
 ``EMA_WEIGHT``) rising above ``SPIKE_FACTOR`` times its lowest is noted once per spike: at the learning rates where
-a run blows up, it usually comes several steps before the first NaN.
+a run blows up, it usually comes several steps before the first NaN. A step whose loss or gradient is not finite is
+skipped by the step itself (training/step.py); ``HealthGuard`` counts them and stops the run at
+``max_nonfinite_steps`` in a row.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
+from difftransformer.errors import InputError
+from difftransformer.training.distributed import World, all_reduce_max
 from difftransformer.training.evaluate import token_losses
 
 SPIKE_FACTOR = 1.5
@@ -53,6 +59,16 @@ def state_flags(
         return torch.stack([torch.isfinite(t).all().to(device) for t in tensors]).all().float()
 
     return torch.stack([all_finite(weights), all_finite(moments), torch.isfinite(loss).float()]), loss
+
+
+def check_health(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, probe: torch.Tensor, world: World, amp=None
+) -> tuple[list[float], float]:
+    """(for the weights, the optimizer state and the probe loss: 0 where any process found it non-finite, else 1;
+    the probe loss), with one host synchronisation."""
+    flags, loss = state_flags(model, optimizer, probe, world.device, amp)
+    values = torch.cat([all_reduce_max(1 - flags), loss.detach().float().reshape(1)]).tolist()
+    return [1 - v for v in values[:3]], values[3]
 
 
 def unhealthy_parts(flags: list[float]) -> str:
@@ -91,3 +107,83 @@ class LossWatch:
         began = spiking and not self.spiking
         self.spiking = spiking
         return began
+
+
+class HealthGuard:
+    """A run's guard, fed the rows the trainer reads: notes a loss spike (with the newest checkpoint from before
+    it, which ``calm`` gives), counts the skipped steps in a row and says when the run must stop; keeps the lowest
+    probe loss that tells a calm checkpoint from one written during a spike. ``note`` prints a note."""
+
+    def __init__(self, max_nonfinite: int, note: Callable[[str], None], calm: Callable[[], Path | None]) -> None:
+        self.max_nonfinite, self.note, self.calm = max_nonfinite, note, calm
+        self.watch = LossWatch()
+        self.nonfinite_in_a_row = 0
+        self.probe_best = math.inf  # the lowest probe loss of the run so far
+        self.updated = False  # whether a step read so far changed the weights (all skipped: diverged)
+
+    def begin(self, flags: list[float], probe: float, start: Path | None) -> None:
+        """Start a new run whose first weights (fresh, or from the checkpoint ``start``) ``check_health`` found
+        ``flags`` and ``probe``: they must give a finite loss (a checkpoint of a diverged run does not); their probe
+        loss is the run's first lowest."""
+        if min(flags) < 1:
+            if start is None:  # fresh weights: a defect, not something the user can change
+                raise RuntimeError(f"the initial weights are not healthy: {unhealthy_parts(flags)}")
+            raise InputError(
+                f"{start} (init_from) is not healthy: {unhealthy_parts(flags)} (that run diverged); give an earlier "
+                "checkpoint of it as `init_from` (its checkpoints/step_N directory)"
+            )
+        self.probe_best = probe
+
+    def state(self) -> dict:
+        """What a checkpoint records of the guard, for ``restore``."""
+        return {
+            "nonfinite_in_a_row": self.nonfinite_in_a_row,
+            "probe_best": self.probe_best,
+            "loss_watch": self.watch.state(),
+        }
+
+    def restore(self, meta: dict, probe: float) -> None:
+        """Go on from a checkpoint's ``meta`` (older ones lack some fields) whose weights have probe loss ``probe``."""
+        self.probe_best = min(meta.get("probe_best", probe), probe)
+        self.watch = LossWatch(meta.get("loss_watch"))
+        self.nonfinite_in_a_row = meta.get("nonfinite_in_a_row", 0)
+
+    def observe(self, row: dict) -> str | None:
+        """Take a step's row (marked ``spike`` when a spike begins there); the reason the run must stop, or None."""
+        self.updated = self.updated or "skipped" not in row
+        if self.watch.update(row["step"], row["loss"]):
+            row["spike"] = True
+            calm = self.calm()
+            before = "(no checkpoint is from before it)"
+            if calm:
+                before = f"from {calm}, the newest checkpoint from before it"
+            self.note(
+                f"step {row['step']}: the training loss, smoothed over about four steps, has risen to "
+                f"{self.watch.smoothed:.4g}, over {SPIKE_FACTOR} times its lowest ({self.watch.lowest:.4g} at step "
+                f"{self.watch.lowest_step}): a loss spike, which often comes before divergence. If it keeps rising, "
+                f"stop the run and start a new one with a lower learning rate {before}"
+            )
+        if "skipped" not in row:
+            self.nonfinite_in_a_row = 0
+            return None
+        self.nonfinite_in_a_row += 1
+        limit = self.max_nonfinite
+        self.note(
+            f"step {row['step']}: {row['skipped']} (loss {row['loss']}, gradient norm {row['grad_norm']}): the update "
+            f"was skipped ({self.nonfinite_in_a_row} in a row; the run stops at {limit})"
+        )
+        if self.nonfinite_in_a_row >= limit:
+            return f"{limit} steps in a row (to step {row['step']}) had a non-finite loss or gradient"
+        return None
+
+    def calm_at(self, step: int, probe: float) -> bool:
+        """Whether a checkpoint at ``step`` whose probe loss is ``probe`` is calm (noted when not)."""
+        calm = probe <= SPIKE_FACTOR * self.probe_best
+        if not calm:
+            self.note(
+                f"step {step}: this checkpoint is written during a loss spike (its probe loss {probe:.4g} is "
+                f"over {SPIKE_FACTOR} times the run's lowest, {self.probe_best:.4g}); keep-last keeps the newest "
+                "checkpoint from before the spike too"
+            )
+        self.probe_best = min(self.probe_best, probe)
+        return calm

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -135,6 +136,30 @@ def read(results: list[StepResult], extra: torch.Tensor | None = None) -> tuple[
             row["skipped"] = "non-finite loss" if not math.isfinite(loss) else "non-finite gradient"
         out.append(row)
     return out, values[n:]
+
+
+def read_steps(
+    pending: list[tuple[int, StepResult, float]],
+    flag: torch.Tensor,
+    model: torch.nn.Module | None,
+    tokens_per_step: int,
+    start: float,
+    start_step: int,
+) -> tuple[list[dict], int]:
+    """The rows of the ``pending`` (step, result, time dispatched) steps, with tokens/s since ``start_step`` began at
+    ``start`` and, when ``model`` is given, lambda per layer in the last row; and the value of ``flag`` (a tensor
+    (1,): the stop signal every process agrees on), all in one read."""
+    lams = lambda_values(model) if model is not None else None
+    extra = flag if lams is None else torch.cat([flag, lams.to(flag.device)])
+    rows, values = read([result for _, result, _ in pending], extra)
+    done = time.perf_counter()  # after the read: every step so far has finished on the device
+    for (step, _, t), row in zip(pending, rows, strict=True):
+        seconds = (done if step == pending[-1][0] else t) - start
+        speed = (step - start_step) * tokens_per_step / seconds
+        row.update(step=step, tokens=step * tokens_per_step, tokens_per_s=round(speed, 1))
+    if lams is not None:
+        rows[-1]["lambda"] = rounded_lambdas(values[1:])
+    return rows, int(values[0])
 
 
 def to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:

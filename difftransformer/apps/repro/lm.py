@@ -47,7 +47,8 @@ from difftransformer.store.runs import METRICS, TRAIN_CONFIG
 from difftransformer.training.config import TrainConfig, resume_config
 from difftransformer.training.evaluate import token_losses
 from difftransformer.training.interrupts import StopSignals
-from difftransformer.training.loop import Trainer, step_of
+from difftransformer.training.loop import Trainer
+from difftransformer.training.metrics import step_of
 from difftransformer.training.step import layer_lambdas
 
 PARTS = ("sweep", "grid", "ablations")
