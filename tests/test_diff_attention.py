@@ -293,3 +293,25 @@ def test_every_impl_name_has_one_method_chosen_when_the_module_is_built():
     assert attn.impl == "block"
     with pytest.raises(ValueError, match="unknown fast differential attention method 'plain'"):
         kernels.diff_method("plain")  # the materialised method is diff.differential_attention
+
+
+def test_fixed_lambdas_hold_the_entry_value_only_without_gradient_and_only_inside():
+    from difftransformer.core.attention.diff import fixed_lambdas
+
+    outer, inner = make_attn(layer_idx=1), make_attn(layer_idx=2)
+    model = torch.nn.ModuleList([outer, inner])
+    before = [m.lambda_full().item() for m in model]
+    with fixed_lambdas(model):
+        with torch.no_grad():
+            for m in model:
+                m.lambda_q1.add_(0.5)  # the vectors change: the fixed values stay
+            moved = [m.lambda_full().item() for m in model]
+            assert moved == before
+        assert [m.lambda_full().item() for m in model] != before  # with gradient: computed, differentiable
+        assert outer.lambda_full().requires_grad
+        with fixed_lambdas(outer), torch.no_grad():  # nested: the new value, then the outer one back
+            assert outer.lambda_full().item() != before[0]
+        with torch.no_grad():
+            assert outer.lambda_full().item() == before[0]
+    with torch.no_grad():
+        assert [m.lambda_full().item() for m in model] != before  # outside: computed again

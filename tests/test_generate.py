@@ -1,5 +1,7 @@
 """KV-cache generation: cached decoding equals the full forward pass, batching, sampling options, errors."""
 
+import contextlib
+
 import pytest
 import torch
 from conftest import SMALL, small_config
@@ -197,3 +199,25 @@ def test_a_tiny_temperature_samples_the_most_likely_token():
         picked = sample_next(logits, temperature, None, None, generator)
         assert torch.equal(picked, logits.argmax(-1)), temperature
     assert torch.isfinite(torch.softmax((logits - logits.amax(-1, keepdim=True)) / 1e-39, -1)).all()
+
+
+def test_lambda_is_computed_once_per_generation(monkeypatch):
+    """generate fixes each layer's lambda on entry (the weights do not change during a generation): one computation
+    per layer for the prefill and every decode step, and the same tokens as computing it at every step."""
+    from difftransformer.core.attention import diff
+
+    model, prompt = tiny(), list(range(1, 12))
+    computed = []
+    real = diff.softmax_dtype  # lambda_full's first call when it computes lambda
+
+    def counting(tensor):
+        computed.append(1)
+        return real(tensor)
+
+    monkeypatch.setattr(diff, "softmax_dtype", counting)
+    fixed = generate(model, prompt, 6, temperature=0)
+    assert len(computed) == model.config.n_layers
+    computed.clear()
+    monkeypatch.setattr("difftransformer.inference.generate.fixed_lambdas", lambda model: contextlib.nullcontext())
+    assert generate(model, prompt, 6, temperature=0) == fixed
+    assert len(computed) == model.config.n_layers * 6  # the prefill and five decode steps

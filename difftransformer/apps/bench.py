@@ -15,7 +15,7 @@ import torch
 
 from difftransformer.apps.bench_machine import matmul_rate, matmul_size, step_flops
 from difftransformer.core.attention import MultiheadAttention, MultiheadDiffAttn
-from difftransformer.core.attention.diff import method_of
+from difftransformer.core.attention.diff import fixed_lambdas, method_of
 from difftransformer.core.attention.kernels import standard_attention
 from difftransformer.core.config import ModelConfig
 from difftransformer.core.model import TransformerLM
@@ -545,13 +545,14 @@ def _decode_seconds(model, context: int, tokens: int, batch: int = 1) -> list[fl
     slots), so it compiles once per context, in the warm-up step. The steps run back to back as a generation loop
     does, each fed the previous step's most likely token, from slots and tokens that stay on the device: nothing is
     read on the host between steps, and the time is taken once, after the last (on a GPU a per-step time would make
-    the host wait for every step). One number: the mean step of this run."""
+    the host wait for every step), lambda fixed for the loop as ``generate`` fixes it. One number: the mean step of
+    this run."""
     lm = getattr(model, "_orig_mod", model)
     device = lm.embed.weight.device
     cache = KVCache(lm, batch, context + tokens + 1)
     vocab = lm.config.vocab_size
     slots = torch.arange(context, context + tokens + 1, device=device)
-    with torch.no_grad():
+    with torch.no_grad(), fixed_lambdas(lm):
         lm(torch.randint(0, vocab, (batch, context), device=device), cache=cache)  # eager prefill: 0..context-1
         token = torch.randint(0, vocab, (batch, 1), device=device)
         model(token, cache=cache, slots=slots[:1])  # warm-up step
@@ -632,7 +633,7 @@ def ops_per_step(model: TransformerLM, context: int, batch: int = 1) -> int:
     with torch.no_grad():
         model(torch.randint(0, model.config.vocab_size, (batch, context), device=device), cache=cache)
         token = torch.zeros(batch, 1, dtype=torch.long, device=device)
-        with Count():
+        with fixed_lambdas(model), Count():
             model(token, cache=cache)
     return Count.calls
 

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from difftransformer.core.attention.diff import fixed_lambdas
 from difftransformer.core.model import TransformerLM
 from difftransformer.errors import Fields, InputError
 from difftransformer.inference.cache import KVCache
@@ -172,33 +173,34 @@ def generate(
     positions = (keys.long().cumsum(-1) - 1).clamp(min=0)
     was_training = model.training
     model.eval()
-    cache = KVCache(model, b, total)
-    mask = keys if b > 1 else None  # over the cache's slots: the padding is never attended
-    logits = model(tokens, mask=mask, positions=positions[:, :width], cache=cache)[:, -1]
-    out: list[list[int]] = [[] for _ in range(b)]
-    done = [False] * b
-    for step in range(max_new_tokens):
-        finite = torch.isfinite(logits).all(-1)  # (B,): checked with the sampled ids, in the same synchronisation
-        nxt = sample_next(torch.where(finite[:, None], logits, 0.0), temperature, top_k, top_p, generator)
-        for i, tok in enumerate(torch.where(finite, nxt, -1).tolist()):
-            if done[i]:
-                continue
-            if tok < 0:
-                raise InputError(
-                    f"the model's scores for the next token of prompt {i} are not finite (NaN or infinity): its "
-                    "weights diverged in training. Use a checkpoint from before the divergence"
-                )
-            if tok in stop_tokens:
-                done[i] = True
-                continue
-            out[i].append(tok)
-            if on_token is not None:
-                on_token(i, tok)
-            if stop_strings and any(s in tokenizer.decode(out[i]) for s in stop_strings):
-                done[i] = True
-        if all(done) or step == max_new_tokens - 1:
-            break
-        end = width + step + 1
-        logits = model(nxt[:, None], mask=mask, positions=positions[:, end - 1 : end], cache=cache)[:, -1]
+    with fixed_lambdas(model):  # the weights do not change during a generation: lambda once per layer
+        cache = KVCache(model, b, total)
+        mask = keys if b > 1 else None  # over the cache's slots: the padding is never attended
+        logits = model(tokens, mask=mask, positions=positions[:, :width], cache=cache)[:, -1]
+        out: list[list[int]] = [[] for _ in range(b)]
+        done = [False] * b
+        for step in range(max_new_tokens):
+            finite = torch.isfinite(logits).all(-1)  # (B,): checked with the sampled ids, in the same synchronisation
+            nxt = sample_next(torch.where(finite[:, None], logits, 0.0), temperature, top_k, top_p, generator)
+            for i, tok in enumerate(torch.where(finite, nxt, -1).tolist()):
+                if done[i]:
+                    continue
+                if tok < 0:
+                    raise InputError(
+                        f"the model's scores for the next token of prompt {i} are not finite (NaN or infinity): its "
+                        "weights diverged in training. Use a checkpoint from before the divergence"
+                    )
+                if tok in stop_tokens:
+                    done[i] = True
+                    continue
+                out[i].append(tok)
+                if on_token is not None:
+                    on_token(i, tok)
+                if stop_strings and any(s in tokenizer.decode(out[i]) for s in stop_strings):
+                    done[i] = True
+            if all(done) or step == max_new_tokens - 1:
+                break
+            end = width + step + 1
+            logits = model(nxt[:, None], mask=mask, positions=positions[:, end - 1 : end], cache=cache)[:, -1]
     model.train(was_training)
     return out if batched else out[0]

@@ -247,16 +247,15 @@ def fused_decode(q, k, v, lambda_full, scale, causal, mask) -> torch.Tensor:
 
 
 def fused_decode_heads(attn, q, k, v, causal, mask) -> torch.Tensor:
-    """One decode step of differential attention module ``attn`` after its projections, in one kernel call: lambda
-    from its four vectors, A (as ``fused_decode``) and its per-head norm times 1 - lambda_init (or, without the norm,
-    the factor alone) -> (B, Tq, H, 2d), token-major, the rows out_proj reads. ``causal``: as for ``fused_decode``
-    (False with a cache, whose mask says what each slot sees)."""
+    """One decode step of differential attention module ``attn`` after its projections, in one kernel call: A (as
+    ``fused_decode``, with the module's ``lambda_full()``) and its per-head norm times ``head_factor`` (or, without
+    the norm, the factor alone) -> (B, Tq, H, 2d), token-major, the rows out_proj reads. ``causal``: as for
+    ``fused_decode`` (False with a cache, whose mask says what each slot sees)."""
     mask = _decode_mask(mask, q, k)
     norm = attn.subln
     return torch.ops.difftx.diff_decode_heads(
-        q.contiguous(), k, v, attn.lambda_q1, attn.lambda_k1, attn.lambda_q2, attn.lambda_k2, attn.lambda_init,
-        attn.scaling, causal, mask, None if norm is None else norm.weight, 0.0 if norm is None else norm.eps,
-        attn.head_factor,
+        q.contiguous(), k, v, attn.lambda_full(), attn.scaling, causal, mask,
+        None if norm is None else norm.weight, 0.0 if norm is None else norm.eps, attn.head_factor,
     )  # fmt: skip
 
 
@@ -273,7 +272,7 @@ def _register_fake() -> None:
         return q.new_empty((q.shape[0], q.shape[3], q.shape[1], v.shape[3]))
 
     @torch.library.register_fake("difftx::diff_decode_heads")
-    def _(q, k, v, lq1, lk1, lq2, lk2, lambda_init, scale, causal, mask, norm_weight, eps, factor):
+    def _(q, k, v, lam, scale, causal, mask, norm_weight, eps, factor):
         return q.new_empty((q.shape[0], q.shape[3], q.shape[1], v.shape[3]))
 
 

@@ -476,38 +476,13 @@ at::Tensor diff_decode(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   return decode_impl<float>(q, k, v, lambda, scale, causal, m);
 }
 
-// lambda = exp(lambda_q1 . lambda_k1) - exp(lambda_q2 . lambda_k2) + lambda_init, in the vectors' dtype (float32
-// or float64), as MultiheadDiffAttn.lambda_full computes it.
-template <typename L>
-double lambda_from(const at::Tensor& q1, const at::Tensor& k1, const at::Tensor& q2, const at::Tensor& k2,
-                   double lambda_init) {
-  const L *a = q1.data_ptr<L>(), *b = k1.data_ptr<L>(), *c = q2.data_ptr<L>(), *e = k2.data_ptr<L>();
-  L d1 = 0, d2 = 0;
-  for (int64_t x = 0; x < q1.numel(); ++x) {
-    d1 += a[x] * b[x];
-    d2 += c[x] * e[x];
-  }
-  return static_cast<double>(std::exp(d1) - std::exp(d2) + static_cast<L>(lambda_init));
-}
-
-// A decode step of one differential attention layer's core after its projections: lambda from its four vectors,
-// A, and the per-head norm (or the ablation's factor), token-major (B, Tq, H, 2d) as out_proj reads it.
-at::Tensor diff_decode_heads(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                             const at::Tensor& lambda_q1, const at::Tensor& lambda_k1, const at::Tensor& lambda_q2,
-                             const at::Tensor& lambda_k2, double lambda_init, double scale, bool causal,
-                             const c10::optional<at::Tensor>& mask, const c10::optional<at::Tensor>& norm_weight,
-                             double eps, double factor) {
-  for (const at::Tensor* t : {&lambda_q1, &lambda_k1, &lambda_q2, &lambda_k2}) {
-    TORCH_CHECK(t->defined() && t->device().is_cpu() && t->dim() == 1 && t->is_contiguous() &&
-                    t->numel() == lambda_q1.numel() && t->scalar_type() == lambda_q1.scalar_type() &&
-                    (t->scalar_type() == at::kFloat || t->scalar_type() == at::kDouble),
-                "diff_decode_heads: the four lambda vectors must be contiguous 1-D CPU tensors of one size and one "
-                "dtype, float32 or float64");
-  }
-  const double lambda = lambda_q1.scalar_type() == at::kDouble
-                            ? lambda_from<double>(lambda_q1, lambda_k1, lambda_q2, lambda_k2, lambda_init)
-                            : lambda_from<float>(lambda_q1, lambda_k1, lambda_q2, lambda_k2, lambda_init);
-  const at::Tensor lam = at::scalar_tensor(lambda, q.options());
+// A decode step of one differential attention layer's core after its projections: A from lambda (computed by the
+// caller, MultiheadDiffAttn.lambda_full), then the per-head norm with weight norm_weight times factor (or, without
+// the norm, the factor alone), token-major (B, Tq, H, 2d) as out_proj reads it.
+at::Tensor diff_decode_heads(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& lam,
+                             double scale, bool causal, const c10::optional<at::Tensor>& mask,
+                             const c10::optional<at::Tensor>& norm_weight, double eps, double factor) {
+  const double lambda = lam.item<double>();
   check_inputs(q, k, v, lam, 1, nullptr);
   const at::Tensor m = checked_mask(mask, q, k);
   at::Tensor w;
@@ -556,9 +531,8 @@ TORCH_LIBRARY(difftx, m) {
   m.def("diff_block_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor lam, float scale, bool causal, "
         "Tensor? mask, int block) -> Tensor[]");
   m.def("diff_decode(Tensor q, Tensor k, Tensor v, Tensor lam, float scale, bool causal, Tensor? mask) -> Tensor");
-  m.def("diff_decode_heads(Tensor q, Tensor k, Tensor v, Tensor lambda_q1, Tensor lambda_k1, Tensor lambda_q2, "
-        "Tensor lambda_k2, float lambda_init, float scale, bool causal, Tensor? mask, Tensor? norm_weight, float eps, "
-        "float factor) -> Tensor");
+  m.def("diff_decode_heads(Tensor q, Tensor k, Tensor v, Tensor lam, float scale, bool causal, Tensor? mask, "
+        "Tensor? norm_weight, float eps, float factor) -> Tensor");
   m.def("parallel_threads", &parallel_threads);  // no tensor arguments: one implementation for every backend
 }
 
