@@ -93,16 +93,29 @@ def corpus_dir(tmp_path):
     return write_corpus(tmp_path / "corpus")
 
 
-@pytest.fixture
-def prepared(tmp_path, corpus_dir):
-    """A prepared byte-level data directory of the small corpus."""
+def prepare_corpus(corpus, out):
+    """A prepared byte-level data directory of ``corpus`` in ``out``."""
     from difftransformer.store.corpus import find_files, iter_documents
     from difftransformer.store.data import prepare
     from difftransformer.store.tokenizer import ByteTokenizer
 
-    out = tmp_path / "data"
-    prepare(iter_documents(find_files([corpus_dir])), ByteTokenizer(), out, val_every=10)
+    prepare(iter_documents(find_files([corpus])), ByteTokenizer(), out, val_every=10)
     return out
+
+
+@pytest.fixture
+def prepared(tmp_path, corpus_dir):
+    """A prepared byte-level data directory of the small corpus."""
+    return prepare_corpus(corpus_dir, tmp_path / "data")
+
+
+@pytest.fixture(scope="module")
+def module_data(tmp_path_factory):
+    """The small corpus and its prepared data, built once per module: for runs that the module's tests only read
+    (each test writes into its own tmp_path)."""
+    root = tmp_path_factory.mktemp("module-data")
+    corpus = write_corpus(root / "corpus")
+    return corpus, prepare_corpus(corpus, root / "data")
 
 
 SMALL = {"d_model": 64, "n_layers": 2, "n_heads": 4}

@@ -10,6 +10,7 @@ import subprocess
 import pytest
 from conftest import difftx, small_config
 
+from difftransformer.apps.cli import main
 from difftransformer.training.loop import train
 
 LIMIT = 2000  # bytes a file may grow to: every writer below writes a larger file
@@ -20,11 +21,15 @@ def _limited():
     resource.setrlimit(resource.RLIMIT_FSIZE, (LIMIT, LIMIT))
 
 
-@pytest.fixture
-def run(prepared, tmp_path):
-    out = tmp_path / "run"
-    train(small_config(prepared, out, max_steps=2, ckpt_interval=2, eval_interval=2), quiet=True)
-    return out
+@pytest.fixture(scope="module")
+def shared(module_data, tmp_path_factory):
+    """What the commands read, built once and never written by them: a corpus, a trained run and its export."""
+    corpus, data = module_data
+    root = tmp_path_factory.mktemp("full-disk")
+    run = root / "run"
+    train(small_config(data, run, max_steps=2, ckpt_interval=2, eval_interval=2), quiet=True)
+    assert main(["convert", "--run", str(run), "--to", "hf", "--out", str(root / "hf")]) == 0
+    return {"corpus": corpus, "run": run, "hf": root / "hf"}
 
 
 @pytest.mark.slow
@@ -34,16 +39,15 @@ def run(prepared, tmp_path):
         ("data prepare --input {corpus} --out {tmp}/out", "out", "data directory"),
         ("tokenizer train --input {corpus} --out {tmp}/out --vocab-size 300", "out", "tokenizer directory"),
         ("convert --run {run} --to hf --out {tmp}/out", "out", "output directory"),
-        ("convert --from-hf {tmp}/hf --out {tmp}/out", "out", "output directory"),
+        ("convert --from-hf {hf} --out {tmp}/out", "out", "output directory"),
         ("quantize --run {run} --scheme w8a16 --out {tmp}/out", "out", "output directory"),
         ("analyze outliers --run {run} --run {run} --tokens 256 --out {tmp}/out", "out", "output directory"),
         ("demo --part lm", "data/pydocs", "data directory"),
         ("demo --part icl --icl-steps 2", "runs/demo/icl", "the worker processes' step counter"),
     ],
 )
-def test_a_full_disk_is_a_clear_error_and_leaves_nothing_partial(corpus_dir, run, tmp_path, command, output, what):
-    subprocess.run(difftx("convert", "--run", str(run), "--to", "hf", "--out", str(tmp_path / "hf")), check=True)
-    argv = command.format(corpus=corpus_dir, tmp=tmp_path, run=run).split()
+def test_a_full_disk_is_a_clear_error_and_leaves_nothing_partial(shared, tmp_path, command, output, what):
+    argv = command.format(tmp=tmp_path, **shared).split()
     proc = subprocess.run(difftx(*argv), cwd=tmp_path, capture_output=True, text=True, preexec_fn=_limited, timeout=900)
     name = "difftx " + " ".join(argv[:2] if argv[0] in ("data", "tokenizer", "analyze") else argv[:1])
     assert proc.returncode == 2, proc.stderr[-3000:]

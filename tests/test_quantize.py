@@ -70,12 +70,14 @@ def test_quantized_linear_is_the_linear_of_its_dequantized_weight(bits, act):
     assert layer.qweight.dtype == (torch.uint8 if bits == 4 else torch.int8)
 
 
-@pytest.fixture
-def trained(prepared, tmp_path):
+@pytest.fixture(scope="module")
+def trained(module_data, tmp_path_factory):
+    """A trained run, which the tests only read."""
     from difftransformer.training.loop import train
 
-    run = tmp_path / "run"
-    train(small_config(prepared, run, model={**SMALL, "n_layers": 2}, max_steps=6, ckpt_interval=6), quiet=True)
+    run = tmp_path_factory.mktemp("quantize") / "run"
+    config = small_config(module_data[1], run, model={**SMALL, "n_layers": 2}, max_steps=6, ckpt_interval=6)
+    train(config, quiet=True)
     return run
 
 
