@@ -208,7 +208,7 @@ class Trainer:
 
     def _remove_failed_start(self) -> bool:
         """A run that fails before its first checkpoint leaves nothing behind in a directory it created."""
-        if self.saved_step is not None:
+        if self.saved_step is not None or not (self.directory.created and self.world.is_main):
             return False
         self.metrics.close()
         return self.directory.remove_created()
@@ -229,18 +229,20 @@ class Trainer:
         if min(flags) < 1:
             raise self._diverged(f"at step {self.step_idx}, {unhealthy_parts(flags)}")
         calm = self.guard.calm_at(self.step_idx, probe)
-        meta = {
-            "data_position": self.step_idx,  # the next global batch index
-            "rng_torch": torch.get_rng_state().tolist(),
-            **self.guard.state(),
-            "health": {"probe_loss": probe, "calm": calm},
-            "model_config": self.model_config.to_dict(),
-            "train_config": self.cfg.recipe(),
-            "tokenizer": self.tokenizer.fingerprint(),
-            "data": self.data_record,
-            **({} if val_loss is None else {"val_loss": val_loss}),
-        }
-        path = self.checkpoints.write(self.model, self.optimizer, self.step_idx, meta if self.world.is_main else {})
+        meta = {}
+        if self.world.is_main:  # what state.json records besides the files and the optimizer's settings
+            meta = {
+                "data_position": self.step_idx,  # the next global batch index
+                "rng_torch": torch.get_rng_state().tolist(),
+                **self.guard.state(),
+                "health": {"probe_loss": probe, "calm": calm},
+                "model_config": self.model_config.to_dict(),
+                "train_config": self.cfg.recipe(),
+                "tokenizer": self.tokenizer.fingerprint(),
+                "data": self.data_record,
+                **({} if val_loss is None else {"val_loss": val_loss}),
+            }
+        path = self.checkpoints.write(self.model, self.optimizer, self.step_idx, meta)
         self.saved_step = self.step_idx
         return path
 
