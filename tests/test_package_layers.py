@@ -179,33 +179,63 @@ TRAINING_STACK = (
 )
 
 
-def imported_after(statement: str) -> set[str]:
-    """The modules a fresh interpreter holds after running ``statement``."""
+STATEMENTS = [
+    "import difftransformer",
+    "from difftransformer.inference import generate",
+    "from difftransformer import generate, load_run\nimport difftransformer.interop.convert",
+    "from difftransformer.store import load_run\nload_run",
+]
+# One process for every statement: torch, which each of them imports, is imported once; each statement then runs in
+# a child forked from it, whose modules are the parent's (torch and the standard library) and what it imports.
+FORKED = """
+import json, os, sys
+import torch
+out = {}
+for statement in json.loads(sys.argv[1]):
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read)
+        try:
+            exec(statement, {})
+            os.write(write, "\\n".join(sys.modules).encode())
+        finally:
+            os._exit(0 if sys.exc_info()[0] is None else 1)
+    os.close(write)
+    with os.fdopen(read, "rb") as f:
+        names = f.read().decode().split()
+    assert os.waitpid(pid, 0)[1] == 0, statement
+    out[statement] = names
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def imported() -> dict[str, set[str]]:
+    """The modules an interpreter holds after running each statement (and ``import difftransformer.training.loop``,
+    which the check must see)."""
+    import json
     import subprocess
     import sys
 
-    code = f"{statement}\nimport sys\nprint('\\n'.join(sys.modules))"
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
-    return set(proc.stdout.split())
+    statements = [*STATEMENTS, "import difftransformer.training.loop"]
+    proc = subprocess.run(
+        [sys.executable, "-c", FORKED, json.dumps(statements)], capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return {statement: set(names) for statement, names in json.loads(proc.stdout).items()}
 
 
-@pytest.mark.parametrize(
-    "statement",
-    [
-        "import difftransformer",
-        "from difftransformer.inference import generate",
-        "from difftransformer import generate, load_run\nimport difftransformer.interop.convert",
-        "from difftransformer.store import load_run\nload_run",
-    ],
-)
-def test_loading_and_sampling_do_not_import_the_training_stack(statement):
-    loaded = imported_after(statement)
+@pytest.mark.parametrize("statement", STATEMENTS)
+def test_loading_and_sampling_do_not_import_the_training_stack(statement, imported):
+    loaded = imported[statement]
     assert "difftransformer" in loaded
     assert not loaded & set(TRAINING_STACK), sorted(loaded & set(TRAINING_STACK))
 
 
-def test_the_import_check_sees_the_training_stack():
-    assert "difftransformer.training.loop" in imported_after("import difftransformer.training.loop")
+def test_the_import_check_sees_the_training_stack(imported):
+    assert "difftransformer.training.loop" in imported["import difftransformer.training.loop"]
+    assert "torch.utils.tensorboard" not in imported["import difftransformer"]  # not in what the parent imported
 
 
 def test_every_top_level_name_is_its_home_modules_object():
