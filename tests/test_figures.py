@@ -111,6 +111,7 @@ COMMITTED = [p.parent for p in sorted(REPORTS.glob("*/results.json"))]
 CONTEXT = sorted((ROOT / "benchmarks" / "results").glob("context-*.json"))
 
 
+@pytest.mark.slow  # about 15 s in all (matplotlib): make test runs it, make test-quick leaves it
 @pytest.mark.parametrize("source", [*COMMITTED, *CONTEXT], ids=lambda p: p.name)
 def test_every_committed_figure_is_drawn_again_from_its_results(figures, source):
     """redraw (what re-renders the committed figures) draws, from a copy of the saved results alone, every figure

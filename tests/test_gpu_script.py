@@ -81,6 +81,7 @@ def _plan() -> dict[str, tuple[int, int]]:
     return {name: (int(p), int(t)) for name, p, t in (line.split("\t") for line in proc.stdout.splitlines())}
 
 
+@pytest.mark.slow
 def test_the_header_states_each_parts_prediction_and_timeout():
     """gpu.sh's header states what gpu_check.py --plan estimates (the script reads its timeouts from there)."""
     text = (ROOT / "benchmarks" / "gpu.sh").read_text().replace("\n#   ", " ").replace("\n#      ", " ")

@@ -175,6 +175,7 @@ def test_lean_paths_leave_hooked_or_wrapped_modules_to_their_forward():
     assert type(SwiGLU(8, 12)(x).grad_fn).__name__ == "_LeanSwiGLUDownBackward"  # unhooked: the lean path
 
 
+@pytest.mark.slow  # torch.compile
 @pytest.mark.parametrize("attention", ["diff", "standard"])
 def test_compiled_blocks_give_every_weight_its_gradient(attention):
     """Each block under torch.compile (dynamo's tracing, the eager backend: no code generation) gives every weight

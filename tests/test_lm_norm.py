@@ -118,6 +118,7 @@ def test_holm_levels_reject_exactly_where_holm_does():
         assert all(0.05 / len(ps) <= level <= 0.05 for level in levels)
 
 
+@pytest.mark.slow
 def test_the_report_says_equivalent_different_or_neither(tmp_path, monkeypatch, capsys):
     """Five seeds each: one variant within a hair of the baseline (equivalent at 0.025), one 0.3 above (higher),
     one noisy (neither: 'not distinguishable at' its interval's largest bound); an interval excludes zero exactly

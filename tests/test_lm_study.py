@@ -509,6 +509,7 @@ REPORTS = Path(__file__).resolve().parents[1] / "experiments" / "reports"
 LM_REPORTS = sorted(p.parent for p in REPORTS.glob("lm*/measures"))  # the studies exported by lm_report.export
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("committed", LM_REPORTS, ids=[p.name for p in LM_REPORTS])
 def test_the_committed_report_is_rebuilt_from_its_measures(tmp_path, committed):
     """experiments/reports/lm (and lm-norm): results.json, section.md and every figure, written again from the

@@ -226,6 +226,7 @@ def imported() -> dict[str, set[str]]:
     return {statement: set(names) for statement, names in json.loads(proc.stdout).items()}
 
 
+@pytest.mark.slow  # one interpreter with torch, forked for each statement: about 9 s
 @pytest.mark.parametrize("statement", STATEMENTS)
 def test_loading_and_sampling_do_not_import_the_training_stack(statement, imported):
     loaded = imported[statement]
@@ -233,6 +234,7 @@ def test_loading_and_sampling_do_not_import_the_training_stack(statement, import
     assert not loaded & set(TRAINING_STACK), sorted(loaded & set(TRAINING_STACK))
 
 
+@pytest.mark.slow
 def test_the_import_check_sees_the_training_stack(imported):
     assert "difftransformer.training.loop" in imported["import difftransformer.training.loop"]
     assert "torch.utils.tensorboard" not in imported["import difftransformer"]  # not in what the parent imported

@@ -475,6 +475,7 @@ def test_analyze_attention(tmp_path, capsys):
         assert message in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_saved_models_are_evaluated_again_without_training(tmp_path, tiny_scales, monkeypatch):
     """`repro needle --models DIR` scores DIR's models as a training run does (the same evaluations, curves kept),
     trains nothing, and refuses models trained with other options, missing models and a missing report."""
