@@ -14,7 +14,7 @@ import torch
 
 from difftransformer.core.config import ModelConfig
 from difftransformer.core.model import TransformerLM
-from difftransformer.errors import InputError, TrainingDiverged
+from difftransformer.errors import ConfigError, InputError, TrainingDiverged
 from difftransformer.store.checkpoint import list_checkpoints
 from difftransformer.store.runs import METRICS, MODEL_CONFIG, TRAIN_CONFIG, RunLock
 from difftransformer.store.tokenizer import ByteTokenizer
@@ -80,7 +80,7 @@ def test_only_the_main_process_writes_the_run_directory(tmp_path):
 def test_a_resumed_run_without_its_data_names_the_field(tmp_path):
     (tmp_path / "run").mkdir()
     run = RunDirectory(tmp_path / "run", MAIN)
-    with pytest.raises(Exception, match="data.*is not there \\(moved or deleted\\?\\)"):
+    with pytest.raises(ConfigError, match="data.*is not there \\(moved or deleted\\?\\)"):
         run.open_existing(tmp_path / "gone")
     run.release()
 

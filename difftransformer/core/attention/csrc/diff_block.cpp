@@ -482,8 +482,8 @@ at::Tensor diff_decode(const at::Tensor& q, const at::Tensor& k, const at::Tenso
 at::Tensor diff_decode_heads(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& lam,
                              double scale, bool causal, const c10::optional<at::Tensor>& mask,
                              const c10::optional<at::Tensor>& norm_weight, double eps, double factor) {
-  const double lambda = lam.item<double>();
   check_inputs(q, k, v, lam, 1, nullptr);
+  const double lambda = lam.item<double>();
   const at::Tensor m = checked_mask(mask, q, k);
   at::Tensor w;
   if (norm_weight.has_value() && norm_weight->defined()) {
