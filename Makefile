@@ -60,9 +60,10 @@ demo: $(DEMO_STAMP)
 # rehearsal (marked gpu_image, 7 minutes) runs in make test-gpu-image, on the GPU machine's versions, as CI runs it
 # -n: pytest-xdist's worker processes (TEST_WORKERS, default 2: one per core of the project's machines; each worker's
 # torch runs 1 thread, tests/conftest.py), whole modules to a worker (--dist loadscope) so that a module's fixtures
-# are built once
+# are built once, in the order tests/conftest.py gives them (the longest first: xdist's own reorder, by number of
+# tests, left a one-test module of two minutes to the end)
 TEST_WORKERS ?= 2
-PYTEST_WORKERS = -n $(TEST_WORKERS) --dist loadscope
+PYTEST_WORKERS = -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder
 test: $(STAMP) lint
 	DIFFTX_REQUIRE_OPTIONAL=1 $(BIN)/python -m pytest -q $(PYTEST_WORKERS) --durations=15 -m "not gpu_image"
 	@$(HINT)
