@@ -192,7 +192,8 @@ def kernel():
 
 # The modules that take longest (seconds of summed test time in a fresh clone's make test, 2026-12-07), in that order:
 # run first, so that with several workers (make test: pytest-xdist, whole modules to a worker) no long module starts
-# last while the other worker idles. Only the order changes; a module missing here runs after them, in file order.
+# last while the other worker idles (the Makefile passes --no-loadscope-reorder, so that xdist keeps this order).
+# Only the order changes; a module missing here runs after them, in file order.
 LONGEST_FIRST = [
     "test_head_norm_gain", "test_docs", "test_cli_examples", "test_distributed", "test_soak", "test_package",
     "test_kernel_lock", "test_threads", "test_demo_icl", "test_lm_long", "test_train_failures", "test_run_links",
