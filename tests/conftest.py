@@ -118,6 +118,19 @@ def module_data(tmp_path_factory):
     return corpus, prepare_corpus(corpus, root / "data")
 
 
+@pytest.fixture(scope="module")
+def run_and_hf(module_data, tmp_path_factory):
+    """A tiny trained run (2 steps, one checkpoint) and its Hugging Face export, made once per module, for tests
+    that only read them."""
+    from difftransformer.apps.cli import main
+    from difftransformer.training.loop import train
+
+    root = tmp_path_factory.mktemp("run-and-hf")
+    train(small_config(module_data[1], root / "run", max_steps=2, ckpt_interval=2, eval_interval=2), quiet=True)
+    assert main(["convert", "--run", str(root / "run"), "--to", "hf", "--out", str(root / "hf")]) == 0
+    return root / "run", root / "hf"
+
+
 SMALL = {"d_model": 64, "n_layers": 2, "n_heads": 4}
 
 

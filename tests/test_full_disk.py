@@ -8,10 +8,7 @@ import signal
 import subprocess
 
 import pytest
-from conftest import difftx, small_config
-
-from difftransformer.apps.cli import main
-from difftransformer.training.loop import train
+from conftest import difftx
 
 LIMIT = 2000  # bytes a file may grow to: every writer below writes a larger file
 
@@ -22,14 +19,9 @@ def _limited():
 
 
 @pytest.fixture(scope="module")
-def shared(module_data, tmp_path_factory):
+def shared(module_data, run_and_hf):
     """What the commands read, built once and never written by them: a corpus, a trained run and its export."""
-    corpus, data = module_data
-    root = tmp_path_factory.mktemp("full-disk")
-    run = root / "run"
-    train(small_config(data, run, max_steps=2, ckpt_interval=2, eval_interval=2), quiet=True)
-    assert main(["convert", "--run", str(run), "--to", "hf", "--out", str(root / "hf")]) == 0
-    return {"corpus": corpus, "run": run, "hf": root / "hf"}
+    return {"corpus": module_data[0], "run": run_and_hf[0], "hf": run_and_hf[1]}
 
 
 @pytest.mark.slow

@@ -278,24 +278,6 @@ def test_any_config_file_reads_or_is_refused_within_a_second(tmp_path_factory, t
     assert time.perf_counter() - start < 1.0
 
 
-@pytest.fixture(scope="module")
-def run_and_hf(tmp_path_factory) -> tuple[Path, Path]:
-    """A tiny trained run and its Hugging Face export, made once for the fuzz test."""
-    from conftest import small_config, write_corpus
-
-    from difftransformer.apps.cli import main
-    from difftransformer.store.corpus import find_files
-    from difftransformer.store.data import prepare
-    from difftransformer.training.loop import train
-
-    root = tmp_path_factory.mktemp("fuzz")
-    corpus = write_corpus(root / "corpus")
-    prepare(iter_documents(find_files([corpus])), ByteTokenizer(), root / "data", val_every=10)
-    train(small_config(root / "data", root / "run", max_steps=2, ckpt_interval=2, eval_interval=2), quiet=True)
-    assert main(["convert", "--run", str(root / "run"), "--to", "hf", "--out", str(root / "hf")]) == 0
-    return root / "run", root / "hf"
-
-
 RUN_FILES = ["checkpoints/step_00000002/model.safetensors", "checkpoints/step_00000002/state.json",
              "model_config.json", "tokenizer_spec.json"]  # fmt: skip
 HF_FILES = ["model.safetensors", "config.json", "tokenizer.json", "generation_config.json"]

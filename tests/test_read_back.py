@@ -12,7 +12,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import small_config, snapshot, write_corpus
+from conftest import prepare_corpus, small_config, snapshot, write_corpus
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -45,14 +45,12 @@ def world(tmp_path_factory):
     """A trained run (4 steps), its quantized copy, its data, and a complete bench context store."""
     from difftransformer.apps.bench import machine
     from difftransformer.inference.quantize import quantize_run
-    from difftransformer.store.corpus import find_files, iter_documents
-    from difftransformer.store.data import prepare, verify_data
-    from difftransformer.store.tokenizer import ByteTokenizer
+    from difftransformer.store.data import verify_data
     from difftransformer.training.loop import train
 
     root = tmp_path_factory.mktemp("read-back")
     corpus = write_corpus(root / "corpus")
-    prepare(iter_documents(find_files([corpus])), ByteTokenizer(), root / "data", val_every=10)
+    prepare_corpus(corpus, root / "data")
     verify_data(root / "data")
     train(small_config(root / "data", root / "run", max_steps=4, ckpt_interval=4, eval_interval=2), quiet=True)
     quantize_run(root / "run", "w8a16", root / "quant")

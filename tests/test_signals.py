@@ -23,17 +23,9 @@ SCRIPT = Path(__file__).with_name("signal_at_write.py")
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    from conftest import write_corpus
-
-    from difftransformer.store.corpus import find_files, iter_documents
-    from difftransformer.store.data import prepare
-    from difftransformer.store.tokenizer import ByteTokenizer
-
+def run(module_data, tmp_path_factory):
     root = tmp_path_factory.mktemp("signals")
-    write_corpus(root / "corpus")
-    prepare(iter_documents(find_files([root / "corpus"])), ByteTokenizer(), root / "data", val_every=10)
-    train(small_config(root / "data", root / "run", max_steps=2, ckpt_interval=2, eval_interval=2), quiet=True)
+    train(small_config(module_data[1], root / "run", max_steps=2, ckpt_interval=2, eval_interval=2), quiet=True)
     return root / "run"
 
 
@@ -54,9 +46,9 @@ COMMANDS = [  # (command, what it writes, the signal)
 
 
 @pytest.mark.parametrize("line, what, name", COMMANDS, ids=[c[0].split(" --")[0] for c in COMMANDS])
-def test_a_signal_while_a_command_writes_leaves_nothing_and_says_so(run, tmp_path, line, what, name):
+def test_a_signal_while_a_command_writes_leaves_nothing_and_says_so(module_data, run, tmp_path, line, what, name):
     out = tmp_path / "out"
-    argv = line.format(corpus=run.parent / "corpus", run=run, out=out).split()
+    argv = line.format(corpus=module_data[0], run=run, out=out).split()
     env = {**os.environ, "DIFFTX_SIGNAL": name}
     done = subprocess.run(
         [sys.executable, str(SCRIPT), *argv], env=env, capture_output=True, text=True, timeout=600, preexec_fn=_heard

@@ -24,7 +24,7 @@ import torch
 from difftransformer.core.model import TransformerLM
 from difftransformer.errors import ConfigError, InputError, Interrupted
 from difftransformer.progress import Progress
-from difftransformer.store.checkpoint import list_checkpoints, lowest_val_loss
+from difftransformer.store.checkpoint import lowest_val_loss
 from difftransformer.store.data import TokenData, WindowSampler, data_identity, eval_windows, verify_data
 from difftransformer.store.runs import start_checkpoint
 from difftransformer.training.checkpointing import Checkpoints, load_start, rng_state
@@ -204,7 +204,7 @@ class Trainer:
     def best_checkpoint(self) -> tuple[Path, float] | None:
         """The kept checkpoint with the lowest validation loss and that loss (checkpoints record it with
         keep_best, which validates at each); None when none records one."""
-        return lowest_val_loss(list_checkpoints(self.run_dir))
+        return lowest_val_loss(self.checkpoints.listed())
 
     def _remove_failed_start(self) -> bool:
         """A run that fails before its first checkpoint leaves nothing behind in a directory it created."""
@@ -332,7 +332,7 @@ class Trainer:
                 self.save(val_loss)
             if signum:
                 self.progress.close()
-                path = self.save() if self.saved_step != step else list_checkpoints(self.run_dir)[-1]
+                path = self.save() if self.saved_step != step else self.checkpoints.listed()[-1]
                 raise Interrupted(signum, f"stopped by {signals.name(signum)} at step {step}; checkpoint {path}")
         if self.step_idx == cfg.max_steps and self.step_idx > self.first_step and not self.guard.updated:
             self.progress.close()
