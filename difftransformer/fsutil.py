@@ -3,6 +3,7 @@ appear complete or not at all; small files are replaced atomically)."""
 
 from __future__ import annotations
 
+import functools
 import glob
 import json
 import os
@@ -46,14 +47,23 @@ def read_text(path: str | Path, limit: int = TEXT_LIMIT, what: str = "") -> str:
 def parse_json_object(text: str, where: str) -> dict[str, Any]:
     """``text`` parsed as a JSON object; ``where`` names the source in the error. A key given twice in one object is
     refused (JSON leaves it undefined; Python's reader kept the last without a word)."""
+    load = functools.partial(json.loads, object_pairs_hook=lambda pairs: _unique_keys(pairs, where))
+    return parse_mapping(load, text, where, json.JSONDecodeError, "JSON", "a JSON object")
+
+
+def parse_mapping(
+    parse: Callable[[str], Any], text: str, where: str, errors: type[Exception], language: str, what: str
+) -> dict[str, Any]:
+    """``parse(text)``, which must be a mapping (``what``); its syntax ``errors``, a nesting too deep for the reader's
+    recursion and any other type are refused by an InputError that names ``where``."""
     try:
-        data = json.loads(text, object_pairs_hook=lambda pairs: _unique_keys(pairs, where))
-    except json.JSONDecodeError as err:
-        raise InputError(f"{where} is not valid JSON ({err})") from None
+        data = parse(text)
+    except errors as err:
+        raise InputError(f"{where} is not valid {language} ({' '.join(str(err).split())})") from None
     except RecursionError:
         raise InputError(f"{where} is nested too deeply to be read") from None
     if not isinstance(data, dict):
-        raise InputError(f"{where} must hold a JSON object, got {type(data).__name__}")
+        raise InputError(f"{where} must hold {what}, got {type(data).__name__}")
     return data
 
 

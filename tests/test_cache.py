@@ -72,7 +72,7 @@ def test_a_first_pass_without_padding_runs_causal_over_its_slots_and_builds_no_m
         seen.append((out[0].shape[-2], out[2] is None, common.causal_of(attn, cache)))
         return out
 
-    for module in ("diff", "diff_v2", "standard"):
+    for module in ("diff", "common"):  # V1's projection, and the one of the softmax variants
         monkeypatch.setattr(f"difftransformer.core.attention.{module}.attended", recording)
     cache = KVCache(model, 2, 16)
     with torch.no_grad():

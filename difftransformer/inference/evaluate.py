@@ -86,16 +86,13 @@ def lm_eval_perplexity(
         {"word_perplexity": ..., "byte_perplexity": ..., "bits_per_byte": ...}.
 
     Examples:
-        >>> import json, tempfile
+        >>> import json
         >>> from transformers import AutoModelForCausalLM, AutoTokenizer
         >>> from difftransformer.interop.convert import run_to_hf
-        >>> from difftransformer import ModelConfig, TransformerLM
-        >>> from difftransformer.store.runs import save_run
-        >>> from difftransformer.store.tokenizer import ByteTokenizer
-        >>> tmp = tempfile.mkdtemp()
-        >>> _ = save_run(TransformerLM(ModelConfig.preset("tiny", vocab_size=257)), ByteTokenizer(), f"{tmp}/run", {})
-        >>> hf = run_to_hf(f"{tmp}/run", f"{tmp}/hf")
-        >>> texts = f"{tmp}/texts.jsonl"
+        >>> from difftransformer.store.examples import example_run
+        >>> run = example_run()  # an untrained tiny DIFF model's run, in a new temporary directory
+        >>> hf = run_to_hf(run, f"{run}-hf")
+        >>> texts = f"{run}-texts.jsonl"
         >>> _ = Path(texts).write_text(json.dumps({"text": "To be, or not to be."}))
         >>> model, tokenizer = AutoModelForCausalLM.from_pretrained(hf), AutoTokenizer.from_pretrained(hf)
         >>> metrics = lm_eval_perplexity(model, tokenizer, texts)

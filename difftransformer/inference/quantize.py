@@ -99,13 +99,9 @@ def quantize_run(
         The contents of the new run's quantization.json (the scheme, its layers, the float source).
 
     Examples:
-        >>> import tempfile
-        >>> from difftransformer import ModelConfig, TransformerLM
-        >>> from difftransformer.store.runs import save_run
-        >>> from difftransformer.store.tokenizer import ByteTokenizer
-        >>> tmp = tempfile.mkdtemp()
-        >>> _ = save_run(TransformerLM(ModelConfig.preset("tiny", vocab_size=257)), ByteTokenizer(), f"{tmp}/run", {})
-        >>> record = quantize_run(f"{tmp}/run", "w8a16", f"{tmp}/run-w8a16")
+        >>> from difftransformer.store.examples import example_run
+        >>> run = example_run()  # an untrained tiny DIFF model's run, in a new temporary directory
+        >>> record = quantize_run(run, "w8a16", f"{run}-w8a16")
         >>> record["scheme"]
         'w8a16'
     """

@@ -48,13 +48,9 @@ def run_to_hf(
         ``out_dir``.
 
     Examples:
-        >>> import tempfile
-        >>> from difftransformer import ModelConfig, TransformerLM
-        >>> from difftransformer.store.runs import save_run
-        >>> from difftransformer.store.tokenizer import ByteTokenizer
-        >>> tmp = tempfile.mkdtemp()
-        >>> _ = save_run(TransformerLM(ModelConfig.preset("tiny", vocab_size=257)), ByteTokenizer(), f"{tmp}/run", {})
-        >>> hf = run_to_hf(f"{tmp}/run", f"{tmp}/hf", license="mit")
+        >>> from difftransformer.store.examples import example_run
+        >>> run = example_run()  # an untrained tiny DIFF model's run, in a new temporary directory
+        >>> hf = run_to_hf(run, f"{run}-hf", license="mit")
         >>> sorted(p.name for p in hf.iterdir())[:3]
         ['README.md', 'config.json', 'generation_config.json']
     """
@@ -135,13 +131,9 @@ def hf_to_run(hf_dir: str | Path, out_dir: str | Path, attention: str | None = N
         ``out_dir``.
 
     Examples:
-        >>> import tempfile
-        >>> from difftransformer import ModelConfig, TransformerLM
-        >>> from difftransformer.store.runs import save_run
-        >>> from difftransformer.store.tokenizer import ByteTokenizer
-        >>> tmp = tempfile.mkdtemp()
-        >>> _ = save_run(TransformerLM(ModelConfig.preset("tiny", vocab_size=257)), ByteTokenizer(), f"{tmp}/run", {})
-        >>> back = hf_to_run(run_to_hf(f"{tmp}/run", f"{tmp}/hf"), f"{tmp}/back")
+        >>> from difftransformer.store.examples import example_run
+        >>> run = example_run()  # an untrained tiny DIFF model's run, in a new temporary directory
+        >>> back = hf_to_run(run_to_hf(run, f"{run}-hf"), f"{run}-back")
         >>> (back / "model_config.json").is_file()
         True
     """

@@ -25,6 +25,18 @@ if TYPE_CHECKING:
 from difftransformer.core.rotary import ROPE_SCALINGS, rope_scaling_problem
 from difftransformer.errors import InputError
 
+# ModelConfig's fields and the Llama and DiffLlama configs' names for them (the rest are converted one by one)
+SAME_FIELDS = (
+    ("vocab_size", "vocab_size"),
+    ("d_model", "hidden_size"),
+    ("n_layers", "num_hidden_layers"),
+    ("n_heads", "num_attention_heads"),
+    ("n_kv_heads", "num_key_value_heads"),
+    ("ffn_dim", "intermediate_size"),
+    ("max_seq_len", "max_position_embeddings"),
+    ("norm_eps", "rms_norm_eps"),
+)
+
 
 def _transformers():
     try:
@@ -172,15 +184,8 @@ def to_hf(
         )
     d = cfg.head_dim
     common = dict(
-        vocab_size=cfg.vocab_size,
-        hidden_size=cfg.d_model,
-        intermediate_size=cfg.ffn_dim,
-        num_hidden_layers=cfg.n_layers,
-        num_attention_heads=cfg.n_heads,
-        num_key_value_heads=cfg.n_kv_heads,
+        **{theirs: getattr(cfg, ours) for ours, theirs in SAME_FIELDS},
         head_dim=d,
-        max_position_embeddings=cfg.max_seq_len,
-        rms_norm_eps=cfg.norm_eps,
         tie_word_embeddings=cfg.tie_embeddings,
         initializer_range=cfg.init_std,
         hidden_act="silu",
@@ -253,16 +258,9 @@ def from_hf(hf_model: PreTrainedModel) -> TransformerLM:
     diff = arch == "DiffLlamaForCausalLM"
     theta, scaling = _rope_of(hc)
     cfg = ModelConfig(
-        vocab_size=hc.vocab_size,
-        d_model=hc.hidden_size,
-        n_layers=hc.num_hidden_layers,
-        n_heads=hc.num_attention_heads,
-        n_kv_heads=hc.num_key_value_heads,
-        ffn_dim=hc.intermediate_size,
-        max_seq_len=hc.max_position_embeddings,
+        **{ours: getattr(hc, theirs) for ours, theirs in SAME_FIELDS},
         rope_theta=theta,
         rope_scaling=scaling,
-        norm_eps=hc.rms_norm_eps,
         attention="diff" if diff else "standard",
         tie_embeddings=_tied(hf_model),
         init_std=getattr(hc, "initializer_range", 0.02),

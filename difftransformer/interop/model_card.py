@@ -56,17 +56,12 @@ def training_record(run_dir: Path, step: int) -> dict:
 
     Examples:
         >>> from pathlib import Path
-        >>> import tempfile
         >>> from difftransformer import TrainConfig, train
-        >>> from difftransformer.store.data import prepare
-        >>> from difftransformer.store.tokenizer import ByteTokenizer
-        >>> tmp = tempfile.mkdtemp()
-        >>> texts = ["To be, or not to be. " * 100] * 20
-        >>> _ = prepare(texts, ByteTokenizer(), f"{tmp}/data", split="documents", val_every=10)
-        >>> cfg = TrainConfig(data=f"{tmp}/data", out=f"{tmp}/run", max_steps=2, batch_size=2, seq_len=32,
-        ...                   eval_tokens=64)
+        >>> from difftransformer.store.examples import example_data
+        >>> data = example_data()  # a short text, prepared in a new temporary directory
+        >>> cfg = TrainConfig(data=str(data), out=f"{data}-run", max_steps=2, batch_size=2, seq_len=32, eval_tokens=64)
         >>> _ = train(cfg, quiet=True)
-        >>> record = training_record(Path(f"{tmp}/run"), 2)
+        >>> record = training_record(Path(cfg.out), 2)
         >>> record["step"], record["tokens"], record["validation"]["step"]
         (2, 128, 2)
     """

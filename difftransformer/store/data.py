@@ -285,12 +285,9 @@ def verify_data(data_dir: str | Path, cached: bool = True) -> int:
         InputError: a shard does not match its checksum (it is damaged).
 
     Examples:
-        >>> import tempfile
-        >>> from difftransformer.store.tokenizer import ByteTokenizer
-        >>> tmp = tempfile.mkdtemp()
-        >>> texts = ["To be, or not to be. " * 100] * 20
-        >>> _ = prepare(texts, ByteTokenizer(), f"{tmp}/data", split="documents", val_every=10)
-        >>> verify_data(f"{tmp}/data"), verify_data(f"{tmp}/data")  # the second time, from the record
+        >>> from difftransformer.store.examples import example_data
+        >>> data = example_data()  # a short text, prepared in a new temporary directory
+        >>> verify_data(data), verify_data(data)  # the second time, from the record
         (2, 0)
     """
     data_dir = Path(data_dir)
@@ -335,12 +332,9 @@ class TokenData:
         split: ``train`` or ``val``.
 
     Examples:
-        >>> import tempfile
-        >>> from difftransformer.store.tokenizer import ByteTokenizer
-        >>> tmp = tempfile.mkdtemp()
-        >>> texts = ["To be, or not to be. " * 100] * 20
-        >>> _ = prepare(texts, ByteTokenizer(), f"{tmp}/data", split="documents", val_every=10)
-        >>> val = TokenData(f"{tmp}/data", "val")
+        >>> from difftransformer.store.examples import example_data
+        >>> data = example_data()  # a short text, prepared in a new temporary directory
+        >>> val = TokenData(data, "val")
         >>> val.n_tokens, val.tokenizer().decode(val.window(0, 6).tolist())
         (4202, 'To be,')
     """

@@ -355,13 +355,9 @@ def load_run(run_dir: str | Path, device: str | torch.device = "cpu") -> tuple[T
         InputError: a damaged checkpoint, or weights that are not finite (a run that diverged).
 
     Examples:
-        >>> import tempfile
-        >>> from difftransformer import ModelConfig, TransformerLM
-        >>> from difftransformer.store.runs import save_run
-        >>> from difftransformer.store.tokenizer import ByteTokenizer
-        >>> tmp = tempfile.mkdtemp()
-        >>> _ = save_run(TransformerLM(ModelConfig.preset("tiny", vocab_size=257)), ByteTokenizer(), f"{tmp}/run", {})
-        >>> model, tokenizer = load_run(f"{tmp}/run")
+        >>> from difftransformer.store.examples import example_run
+        >>> run = example_run()  # an untrained tiny DIFF model's run, in a new temporary directory
+        >>> model, tokenizer = load_run(run)
         >>> tokenizer.decode(tokenizer.encode("To be"))
         'To be'
     """

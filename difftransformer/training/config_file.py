@@ -11,6 +11,7 @@ directory, as the flags' are.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import re
@@ -19,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from difftransformer.errors import ConfigError, InputError
-from difftransformer.fsutil import parse_json_object, read_text
+from difftransformer.fsutil import parse_json_object, parse_mapping, read_text
 from difftransformer.paths import special_kind
 from difftransformer.training.config import TrainConfig
 
@@ -74,22 +75,11 @@ def _parse(text: str, kind: str, where: str) -> dict[str, Any]:
     if kind == "JSON":
         return parse_json_object(text, where)
     if kind == "TOML":
-        try:
-            return tomllib.loads(text)
-        except tomllib.TOMLDecodeError as err:
-            raise InputError(f"{where} is not valid TOML ({err})") from None
-        except RecursionError:
-            raise InputError(f"{where} is nested too deeply to be read") from None
+        return parse_mapping(tomllib.loads, text, where, tomllib.TOMLDecodeError, "TOML", "a table of settings")
     import yaml  # an optional dependency (the yaml extra): the CLI names it when missing
 
-    try:
-        data = yaml.load(text, Loader=_loader(yaml, where))  # noqa: S506 - a SafeLoader without aliases
-    except yaml.YAMLError as err:
-        raise InputError(f"{where} is not valid YAML ({' '.join(str(err).split())})") from None
-    except RecursionError:
-        raise InputError(f"{where} is nested too deeply to be read") from None
-    if not isinstance(data, dict):
-        raise InputError(f"{where} must hold a mapping of settings, got {type(data).__name__}")
+    load = functools.partial(yaml.load, Loader=_loader(yaml, where))  # a SafeLoader without aliases
+    data = parse_mapping(load, text, where, yaml.YAMLError, "YAML", "a mapping of settings")
     return {k: v if str(k).replace("-", "_") in PATHS else _yaml_numbers(v) for k, v in data.items()}
 
 

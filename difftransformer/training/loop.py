@@ -65,15 +65,10 @@ class Trainer:
         on_step: called with every row read (step, loss, ...), e.g. for a live display.
 
     Examples:
-        >>> import tempfile
         >>> from difftransformer import TrainConfig, train
-        >>> from difftransformer.store.data import prepare
-        >>> from difftransformer.store.tokenizer import ByteTokenizer
-        >>> tmp = tempfile.mkdtemp()
-        >>> texts = ["To be, or not to be. " * 100] * 20
-        >>> _ = prepare(texts, ByteTokenizer(), f"{tmp}/data", split="documents", val_every=10)
-        >>> cfg = TrainConfig(data=f"{tmp}/data", out=f"{tmp}/run", max_steps=2, batch_size=2, seq_len=32,
-        ...                   eval_tokens=64)
+        >>> from difftransformer.store.examples import example_data
+        >>> data = example_data()  # a short text, prepared in a new temporary directory
+        >>> cfg = TrainConfig(data=str(data), out=f"{data}-run", max_steps=2, batch_size=2, seq_len=32, eval_tokens=64)
         >>> trainer = Trainer(cfg, quiet=True)
         >>> try:
         ...     rows = trainer.fit(until=1)  # one step; fit() again trains on to max_steps
@@ -362,15 +357,10 @@ def train(cfg: TrainConfig, resume: bool = False, quiet: bool = False) -> list[d
         Interrupted: SIGINT or SIGTERM, after a checkpoint was written.
 
     Examples:
-        >>> import tempfile
         >>> from difftransformer import TrainConfig, train
-        >>> from difftransformer.store.data import prepare
-        >>> from difftransformer.store.tokenizer import ByteTokenizer
-        >>> tmp = tempfile.mkdtemp()
-        >>> texts = ["To be, or not to be. " * 100] * 20
-        >>> _ = prepare(texts, ByteTokenizer(), f"{tmp}/data", split="documents", val_every=10)
-        >>> cfg = TrainConfig(data=f"{tmp}/data", out=f"{tmp}/run", max_steps=2, batch_size=2, seq_len=32,
-        ...                   eval_tokens=64)
+        >>> from difftransformer.store.examples import example_data
+        >>> data = example_data()  # a short text, prepared in a new temporary directory
+        >>> cfg = TrainConfig(data=str(data), out=f"{data}-run", max_steps=2, batch_size=2, seq_len=32, eval_tokens=64)
         >>> rows = train(cfg, quiet=True)
         >>> rows[-1]["step"], "val_loss" in rows[-1]
         (2, True)

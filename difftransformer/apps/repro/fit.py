@@ -18,8 +18,10 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
+from functools import partial
 from multiprocessing import get_context
 from pathlib import Path
+from types import ModuleType
 
 import torch
 
@@ -28,7 +30,7 @@ from difftransformer.core.attention.logits import LogitQuantizer, check_bits, lo
 from difftransformer.core.config import ModelConfig
 from difftransformer.core.model import TransformerLM
 from difftransformer.errors import InputError
-from difftransformer.fsutil import write_failure
+from difftransformer.fsutil import write_failure, write_json
 from difftransformer.progress import Progress
 from difftransformer.store.runs import MODEL_CONFIG, load_run, save_run
 from difftransformer.store.tokenizer import IdTokenizer
@@ -294,22 +296,32 @@ def train_pairs(out: Path, task: str, scale: str, spec: FitSpec, job, seeds: lis
     }
 
 
-def train_or_evaluate(
+def run_task(
+    study: ModuleType,
     out: Path,
-    task: str,
     scale: str,
-    spec: FitSpec,
-    job,
     seeds: list[int],
     workers: int,
-    models: Path | None,
-    evaluate: Callable,
-    eval_options: tuple,
+    steps: int | None = None,
+    logit_bits: int | None = None,
+    models: Path | None = None,
 ) -> dict:
-    """train_pairs into ``out``; or, given ``models`` (an earlier report directory of ``task``), evaluate_pairs."""
+    """A synthetic task's study, which ``study`` (its module) declares: its task (``TASK``, ``SCALES``,
+    ``train_job``, ``evaluate`` and ``EVAL_OPTIONS``), what its results record beside the measurements (``RECORDED``),
+    its figure (``draw``) and its section (``markdown``). train_pairs into ``out``; or, given ``models`` (an earlier
+    report directory of the task), evaluate_pairs (no training). Writes out/results.json, the figure and
+    out/section.md; returns the results."""
+    spec = scaled_spec(study.SCALES, scale, steps, logit_bits)
     if models is None:
-        return train_pairs(out, task, scale, spec, job, seeds, workers)
-    return evaluate_pairs(models, task, scale, spec, seeds, evaluate, eval_options)
+        job = partial(study.train_job, spec=spec, out=out)
+        result = train_pairs(out, study.TASK, scale, spec, job, seeds, workers)
+    else:
+        result = evaluate_pairs(models, study.TASK, scale, spec, seeds, study.evaluate, study.EVAL_OPTIONS)
+    result.update(study.RECORDED)
+    write_json(out / "results.json", result)
+    study.draw(result, out)
+    (out / "section.md").write_text(study.markdown(result))
+    return result
 
 
 def evaluate_pairs(

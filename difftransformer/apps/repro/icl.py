@@ -20,8 +20,6 @@ from difftransformer.apps.repro.fit import (
     FitSpec,
     fit,
     save_and_evaluate,
-    scaled_spec,
-    train_or_evaluate,
 )
 from difftransformer.apps.repro.tasks import (
     EXAMPLE_FEATURES,
@@ -34,7 +32,6 @@ from difftransformer.apps.repro.tasks import (
     icl_episodes,
 )
 from difftransformer.errors import InputError
-from difftransformer.fsutil import write_json
 
 TASK = "icl"
 SCALES = {
@@ -157,31 +154,7 @@ def evaluate(model, spec: FitSpec) -> dict:
     return {"shots": shots, "orders": orders, "order_spread_se": spread_se, "answers": kinds}
 
 
-def run(
-    out: Path,
-    scale: str,
-    seeds: list[int],
-    workers: int,
-    steps: int | None = None,
-    logit_bits: int | None = None,
-    models: Path | None = None,
-) -> dict:
-    """Train and evaluate the pairs into ``out``; or, given ``models`` (an earlier icl report directory), evaluate
-    the models it saved again (no training)."""
-    spec = scaled_spec(SCALES, scale, steps, logit_bits)
-    job = partial(train_job, spec=spec, out=out)
-    result = train_or_evaluate(out, TASK, scale, spec, job, seeds, workers, models, evaluate, EVAL_OPTIONS)
-    result.update(
-        {
-            "arrangements": ARRANGEMENTS,
-            "order_seeds": ORDER_SEEDS,
-            "paper": PAPER,
-        }
-    )
-    write_json(out / "results.json", result)
-    draw(result, out)
-    (out / "section.md").write_text(markdown(result))
-    return result
+RECORDED = {"arrangements": ARRANGEMENTS, "order_seeds": ORDER_SEEDS, "paper": PAPER}  # beside the measurements
 
 
 def _shots_trained(shots: list[int]) -> str:

@@ -129,6 +129,13 @@ class Scale:
         return {}
 
 
+# What the CPU and GPU plans of every study share: the rates tried, the vocabulary, the device, how many models train
+# at once and their threads.
+ON_CPU = dict(
+    lrs=(1.5e-3, 3e-3, 6e-3, 1.2e-2), vocab_size=2048, eval_tokens=1 << 16, device="cpu", workers=2, threads=1
+)
+ON_GPU = dict(lrs=(7.5e-4, 1.5e-3, 3e-3, 6e-3), vocab_size=8192, device="cuda", workers=1, threads=None)
+
 SCALES = {
     # About 80 minutes for the grid, 45 for the sweep and 60 for the ablations on 2 cores, two models at a time.
     "cpu": Scale(
@@ -138,12 +145,7 @@ SCALES = {
         seq_len=1024,
         batch_size=4,
         steps=(240, 120),
-        lrs=(1.5e-3, 3e-3, 6e-3, 1.2e-2),
-        vocab_size=2048,
-        eval_tokens=1 << 16,
-        device="cpu",
-        workers=2,
-        threads=1,
+        **ON_CPU,
     ),
     # One GPU, bf16, one model at a time; the top size has about 169M parameters (152M without embeddings).
     "gpu": Scale(
@@ -153,12 +155,8 @@ SCALES = {
         seq_len=2048,
         batch_size=32,
         steps=(300, 150),
-        lrs=(7.5e-4, 1.5e-3, 3e-3, 6e-3),
-        vocab_size=8192,
         eval_tokens=1 << 20,
-        device="cuda",
-        workers=1,
-        threads=None,
+        **ON_GPU,
         ckpt_every=100,
     ),
 }

@@ -160,12 +160,7 @@ PLANS = {
         seq_len=512,
         batch_size=8,
         steps=(1407, 351),
-        lrs=(1.5e-3, 3e-3, 6e-3, 1.2e-2),
-        vocab_size=2048,
-        eval_tokens=1 << 16,
-        device="cpu",
-        workers=2,
-        threads=1,
+        **lm.ON_CPU,
         ckpt_every=100,
         rationale="Width 64 with heads of 32 (the paper matches DIFF's half-heads to the standard model's heads) "
         "leaves 2 standard heads and 1 differential head per layer. At 20 tokens per non-embedding parameter, 5 "
@@ -186,12 +181,8 @@ PLANS = {
         seq_len=1024,
         batch_size=32,
         steps=(2125, 531),
-        lrs=(7.5e-4, 1.5e-3, 3e-3, 6e-3),
-        vocab_size=8192,
         eval_tokens=1 << 18,
-        device="cuda",
-        workers=1,
-        threads=None,
+        **lm.ON_GPU,
         ckpt_every=250,
         curve_tokens=1 << 17,
         rationale="The CPU plan at 4 times the width with heads twice as wide (4 standard heads of 64, 2 differential "

@@ -14,12 +14,9 @@ from difftransformer.apps.repro.fit import (
     FitSpec,
     fit,
     save_and_evaluate,
-    scaled_spec,
-    train_or_evaluate,
 )
 from difftransformer.apps.repro.tasks import NeedleBatch, needle_batch
 from difftransformer.errors import InputError
-from difftransformer.fsutil import write_json
 
 TASK = "needle"
 SCALES = {
@@ -141,32 +138,7 @@ def evaluate(model, spec: FitSpec) -> dict:
     return {"by_nr": by_nr, "depth_length": grid, "by_key_noise": noise, "by_needles": more}
 
 
-def run(
-    out: Path,
-    scale: str,
-    seeds: list[int],
-    workers: int,
-    steps: int | None = None,
-    logit_bits: int | None = None,
-    models: Path | None = None,
-) -> dict:
-    """Train and evaluate the pairs into ``out``; or, given ``models`` (an earlier needle report directory),
-    evaluate the models it saved again (no training)."""
-    spec = scaled_spec(SCALES, scale, steps, logit_bits)
-    job = partial(train_job, spec=spec, out=out)
-    result = train_or_evaluate(out, TASK, scale, spec, job, seeds, workers, models, evaluate, EVAL_OPTIONS)
-    result.update(
-        {
-            "nr_grid": NR_GRID,
-            "depths": DEPTHS,
-            "grid_needles": GRID_NEEDLES,
-            "paper": {"nr": PAPER_NR},
-        }
-    )
-    write_json(out / "results.json", result)
-    draw(result, out)
-    (out / "section.md").write_text(markdown(result))
-    return result
+RECORDED = {"nr_grid": NR_GRID, "depths": DEPTHS, "grid_needles": GRID_NEEDLES, "paper": {"nr": PAPER_NR}}
 
 
 def markdown(result: dict) -> str:

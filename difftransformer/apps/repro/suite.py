@@ -92,10 +92,10 @@ def run(
                 lm_study.run_norm(target, scale, workers, steps, corpora, log_to)
         else:
             source = Path(models) if models and what == name else None
-            result = module.run(target, scale, seed_list, workers or 2, steps, logit_bits=logit_bits, models=source)
-            if "tensorboard" in sinks and source is None:  # trained here: each model's learning curve
-                from difftransformer.apps.repro.fit import curves_to_tensorboard
+            from difftransformer.apps.repro.fit import curves_to_tensorboard, run_task
 
+            result = run_task(module, target, scale, seed_list, workers or 2, steps, logit_bits, source)
+            if "tensorboard" in sinks and source is None:  # trained here: each model's learning curve
                 curves_to_tensorboard(result, target)
         print(f"difftx repro {name}: done in {time.perf_counter() - start:.0f} s -> {target / 'section.md'}")
         sections.append((target / "section.md").read_text())

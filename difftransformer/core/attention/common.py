@@ -109,6 +109,53 @@ class AttentionBase(nn.Module):
             with torch.no_grad():
                 norm.weight.fill_(self.head_norm_gain)
 
+    def _add_projections(self, q_heads: int, kv_heads: int, out_heads: int) -> None:
+        """``q_proj``, ``k_proj``, ``v_proj`` (to that many heads of ``head_dim``, ``kv_heads`` for both keys and
+        values) and ``out_proj`` (from ``out_heads`` of them), without biases, made in this order."""
+        d, width = self.head_dim, self.embed_dim
+        self.q_proj = nn.Linear(width, q_heads * d, bias=False)
+        self.k_proj = nn.Linear(width, kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(width, kv_heads * d, bias=False)
+        self.out_proj = nn.Linear(out_heads * d, width, bias=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+        need_weights: bool = False,
+        cache: KVStore | None = None,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Attend: (B, T, D) -> (B, T, D).
+
+        Args:
+            x: the input, (B, T, D).
+            mask: boolean, (B, Tk) key padding or (B, T, Tk) / (B, 1, T, Tk), True where attention is allowed.
+            positions: (T,) or (B, T) integer positions for the rotary embedding (default 0..T-1, or after the
+                cache).
+            need_weights: also return the attention map, (B, H, T, Tk): the differential map ``map1 - lambda *
+                map2`` of the differential variants, the softmax map of the standard one.
+            cache: a KVStore; the new keys and values are stored and all cached ones attended (Tk = cached + T).
+            rotary: (cos, sin) of the new tokens' positions, when the caller computes them once for all layers.
+
+        Returns:
+            The output (B, T, D), or (output, map) with ``need_weights``.
+        """
+        q, k, v, mask = self._project(x, mask, positions, cache, rotary)
+        # with a cache, its mask says what each slot sees (but see attended)
+        return self._attend(x, q, k, v, mask, causal_of(self, cache), need_weights)
+
+    def _project(self, x, mask, positions, cache, rotary):
+        """q (B, query heads, T, d), k and v (B, Hkv, Tk, d) with rotary and cache, and the expanded mask (the
+        softmax variants; differential V1 overrides it)."""
+        q, k, v = project_heads(self, x, positions, cache, rotary, self.q_proj.out_features // self.head_dim)
+        return q, *attended(self, k, v, mask, cache, x.shape[1])  # with a cache all L slots
+
+    def _attend(self, x, q, k, v, mask, causal: bool, need_weights: bool):
+        """The variant's attention of the projected q, k, v and its output projection: forward's return."""
+        raise NotImplementedError
+
     def cache_shapes(self, batch: int, slots: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """Shapes of this layer's cached keys and values, (B, Hkv, L, d) each (differential V1 overrides it)."""
         shape = (batch, self.num_kv_heads, slots, self.head_dim)

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from difftransformer.core.attention import cpu_kernel
-from difftransformer.core.attention.common import AttentionBase, KVStore, attended, causal_of, rotary_of
+from difftransformer.core.attention.common import AttentionBase, attended, rotary_of
 from difftransformer.core.attention.gqa_layout import warn_unknown_pairing
 from difftransformer.core.attention.kernels import DECODE_ROWS, attention_probs, diff_method, softmax_dtype
 from difftransformer.core.attention.logits import active_probe
@@ -147,11 +147,8 @@ class MultiheadDiffAttn(AttentionBase):
         what = "two half-heads per differential head"
         super().__init__(embed_dim, num_heads, layer_idx, num_kv_heads, rope_theta, causal, 2, what, rope_scaling)
         self.impl = impl
-        d, num_kv_heads = self.head_dim, self.num_kv_heads
-        self.q_proj = nn.Linear(embed_dim, 2 * num_heads * d, bias=False)
-        self.k_proj = nn.Linear(embed_dim, 2 * num_kv_heads * d, bias=False)
-        self.v_proj = nn.Linear(embed_dim, 2 * num_kv_heads * d, bias=False)
-        self.out_proj = nn.Linear(2 * num_heads * d, embed_dim, bias=False)
+        d = self.head_dim
+        self._add_projections(2 * num_heads, 2 * self.num_kv_heads, 2 * num_heads)
         self.lambda_init = lambda_init_fn(layer_idx) if lambda_init is None else float(lambda_init)
         self.lambda_q1 = nn.Parameter(torch.empty(d, dtype=torch.float32))
         self.lambda_k1 = nn.Parameter(torch.empty(d, dtype=torch.float32))
@@ -215,32 +212,8 @@ class MultiheadDiffAttn(AttentionBase):
         lambda_2 = torch.exp(torch.sum(self.lambda_q2.to(dtype) * self.lambda_k2.to(dtype)))
         return lambda_1 - lambda_2 + self.lambda_init
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        mask: torch.Tensor | None = None,
-        positions: torch.Tensor | None = None,
-        need_weights: bool = False,
-        cache: KVStore | None = None,
-        rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Attend: (B, T, D) -> (B, T, D).
-
-        Args:
-            x: the input, (B, T, D).
-            mask: boolean, (B, Tk) key padding or (B, T, Tk) / (B, 1, T, Tk), True where attention is allowed.
-            positions: (T,) or (B, T) integer positions for the rotary embedding (default 0..T-1, or after the
-                cache).
-            need_weights: also return the differential map ``map1 - lambda * map2``, (B, H, T, Tk).
-            cache: a KVStore; the new keys and values are stored and all cached ones attended (Tk = cached + T).
-            rotary: (cos, sin) of the new tokens' positions, when the caller computes them once for all layers.
-
-        Returns:
-            The output (B, T, D), or (output, differential map) with ``need_weights``.
-        """
+    def _attend(self, x, q, k, v, mask, causal, need_weights):
         b, t, _ = x.shape
-        q, k, v, mask = self._project(x, mask, positions, cache, rotary)
-        causal = causal_of(self, cache)  # with a cache, its mask says what each slot sees (but see attended)
         if not need_weights and self._decodes_fused(q, k, v):  # lambda, A and the per-head norm in one kernel call
             return self.out_proj(cpu_kernel.fused_decode_heads(self, q, k, v, causal, mask).reshape(b, t, -1))
         lam = self.lambda_full()

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from difftransformer.core.attention.common import AttentionBase, KVStore, attended, causal_of, project_heads
+from difftransformer.core.attention.common import AttentionBase
 from difftransformer.core.attention.kernels import softmax_dtype, standard_attention
 
 
@@ -52,40 +52,18 @@ class MultiheadDiffAttnV2(AttentionBase):
     ) -> None:
         what = "one head of size embed_dim/num_heads"
         super().__init__(embed_dim, num_heads, layer_idx, num_kv_heads, rope_theta, causal, 1, what, rope_scaling)
-        d, num_kv_heads = self.head_dim, self.num_kv_heads
-        self.q_proj = nn.Linear(embed_dim, 2 * num_heads * d, bias=False)  # rows (H, 2, d)
-        self.k_proj = nn.Linear(embed_dim, num_kv_heads * d, bias=False)
-        self.v_proj = nn.Linear(embed_dim, num_kv_heads * d, bias=False)
-        self.out_proj = nn.Linear(num_heads * d, embed_dim, bias=False)
+        self._add_projections(2 * num_heads, self.num_kv_heads, num_heads)  # q_proj's rows (H, 2, d)
         self.lambda_proj = nn.Linear(embed_dim, num_heads, bias=False)
 
     def lambda_full(self, x: torch.Tensor) -> torch.Tensor:
         """Per-token, per-head lambda in float32: (B, H, T, 1)."""
         return torch.sigmoid(self.lambda_proj(x).to(softmax_dtype(x))).transpose(1, 2)[..., None]
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        mask: torch.Tensor | None = None,
-        positions: torch.Tensor | None = None,
-        need_weights: bool = False,
-        cache: KVStore | None = None,
-        rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """x: (B, T, D) -> (B, T, D); with need_weights also the differential map (B, H, T, Tk).
-
-        mask, positions, cache and rotary as in MultiheadDiffAttn.forward.
-        """
-        b, t, _ = x.shape
-        d, h = self.head_dim, self.num_heads
-        q, k, v = project_heads(self, x, positions, cache, rotary, 2 * h)  # (B, heads, T, d)
-        k, v, mask = attended(self, k, v, mask, cache, t)  # with a cache all L slots (B, Hkv, L, d)
+    def _attend(self, x, q, k, v, mask, causal, need_weights):
         attn, probs = standard_attention(
-            q, k, v, scale=self.scaling, causal=causal_of(self, cache), mask=mask, need_weights=need_weights
+            q, k, v, scale=self.scaling, causal=causal, mask=mask, need_weights=need_weights
         )  # (B, 2H, T, d)
         lam = self.lambda_full(x)  # (B, H, T, 1)
         attn = attn[:, 0::2] - lam.to(attn.dtype) * attn[:, 1::2]  # (B, H, T, d)
-        out = self.out_proj(attn.transpose(1, 2).reshape(b, t, h * d))
-        if need_weights:
-            return out, probs[:, 0::2] - lam * probs[:, 1::2]
-        return out
+        out = self.out_proj(attn.transpose(1, 2).flatten(2))
+        return (out, probs[:, 0::2] - lam * probs[:, 1::2]) if need_weights else out

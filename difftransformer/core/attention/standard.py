@@ -6,10 +6,7 @@ The same call interface as MultiheadDiffAttn. ``num_heads`` heads of size ``embe
 
 from __future__ import annotations
 
-import torch
-from torch import nn
-
-from difftransformer.core.attention.common import AttentionBase, KVStore, attended, causal_of, project_heads
+from difftransformer.core.attention.common import AttentionBase
 from difftransformer.core.attention.kernels import standard_attention
 from difftransformer.core.config import ModelConfig
 from difftransformer.core.layers import RMSNorm, head_norm_project
@@ -57,12 +54,8 @@ class MultiheadAttention(AttentionBase):
     ) -> None:
         what = "one head of size embed_dim/num_heads"
         super().__init__(embed_dim, num_heads, layer_idx, num_kv_heads, rope_theta, causal, 1, what, rope_scaling)
-        d, num_kv_heads = self.head_dim, self.num_kv_heads
-        self.q_proj = nn.Linear(embed_dim, num_heads * d, bias=False)
-        self.k_proj = nn.Linear(embed_dim, num_kv_heads * d, bias=False)
-        self.v_proj = nn.Linear(embed_dim, num_kv_heads * d, bias=False)
-        self.out_proj = nn.Linear(num_heads * d, embed_dim, bias=False)
-        self.subln = RMSNorm(d, eps=norm_eps) if head_norm else None
+        self._add_projections(num_heads, self.num_kv_heads, num_heads)
+        self.subln = RMSNorm(self.head_dim, eps=norm_eps) if head_norm else None
         self._set_head_norm_gain(head_norm_gain, head_norm_gain_fixed)
         self.reset_head_norm()
 
@@ -76,28 +69,12 @@ class MultiheadAttention(AttentionBase):
             head_norm_gain_fixed=cfg.head_norm_gain_fixed,
         )
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        mask: torch.Tensor | None = None,
-        positions: torch.Tensor | None = None,
-        need_weights: bool = False,
-        cache: KVStore | None = None,
-        rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """x: (B, T, D) -> (B, T, D); with need_weights also the softmax map (B, num_heads, T, Tk).
-
-        mask, positions, cache and rotary as in MultiheadDiffAttn.forward.
-        """
-        b, t, _ = x.shape
-        d = self.head_dim
-        q, k, v = project_heads(self, x, positions, cache, rotary, self.num_heads)  # (B, heads, T, d)
-        k, v, mask = attended(self, k, v, mask, cache, t)  # with a cache all L slots (B, Hkv, L, d)
+    def _attend(self, x, q, k, v, mask, causal, need_weights):
         attn, weights = standard_attention(
-            q, k, v, scale=self.scaling, causal=causal_of(self, cache), mask=mask, need_weights=need_weights
-        )
+            q, k, v, scale=self.scaling, causal=causal, mask=mask, need_weights=need_weights
+        )  # (B, H, T, d)
         if self.subln is not None:
             out = head_norm_project(attn, self.subln, self.head_scale, self.out_proj)
         else:
-            out = self.out_proj(attn.transpose(1, 2).reshape(b, t, self.num_heads * d))
+            out = self.out_proj(attn.transpose(1, 2).flatten(2))
         return (out, weights) if need_weights else out
