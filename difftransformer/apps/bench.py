@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from difftransformer.apps.bench_machine import matmul_rate, matmul_size, step_flops
+from difftransformer.apps.tables import table
 from difftransformer.core.attention import MultiheadAttention, MultiheadDiffAttn
 from difftransformer.core.attention.diff import fixed_lambdas, method_of
 from difftransformer.core.attention.kernels import standard_attention
@@ -413,14 +414,7 @@ def bench_train(
     cfg = ModelConfig.preset(preset)
     result = _result(
         "train",
-        dict(
-            preset=preset,
-            batch=batch,
-            d_model=cfg.d_model,
-            n_layers=cfg.n_layers,
-            standard_heads=cfg.n_heads,
-            head_dim=cfg.head_dim,
-        ),
+        _shapes(preset, batch, cfg),
         repeats,
         rows,
         device,
@@ -466,17 +460,28 @@ def _train_row(preset: str, t: int, batch: int, repeats: int, device: str, amp: 
     return {"seq": t, "seconds": seconds, "activation_bytes": memory, "step_flops": flops}
 
 
+def _opening(result: dict, how: str, *methods: str) -> list[str]:
+    """A result's first lines: its title, its shapes and ``how`` it was measured, its ``methods``' line, a blank."""
+    return [_title(result), f"{_model_words(result['shapes'])}; {how}", _methods_line(result, *methods), ""]
+
+
+def _model_words(s: dict) -> str:
+    """A result's shapes in words: 'preset small (d_model 512, 6 layers, DIFF 4 heads vs standard 8 of size 64),
+    batch 4' (a result written before the shapes had DIFF's heads: 'head size 64')."""
+    heads = "head size"
+    if "diff_heads" in s:
+        heads = f"DIFF {s['diff_heads']} heads vs standard {s['standard_heads']} of size"
+    sizes = f"d_model {s['d_model']}, {s['n_layers']} layers, {heads} {s['head_dim']}"
+    return f"preset {s['preset']} ({sizes}), batch {s['batch']}"
+
+
 def format_train(result: dict) -> str:
-    s = result["shapes"]
-    lines = [
-        _title(result),
-        f"preset {s['preset']} (d_model {s['d_model']}, {s['n_layers']} layers, head size {s['head_dim']}), batch "
-        f"{s['batch']}; step = forward + backward + AdamW ({result.get('step', 'plain AdamW, weights in the dtype')}), "
-        f"median of {result['repeats']} interleaved repeats; activations = bytes autograd saves for backward",
-        _methods_line(
-            result, "diff", "standard", "hf", *["triton"][: any("diff-triton" in r["seconds"] for r in result["rows"])]
-        ),  # fmt: skip
-        "",
+    triton = ["triton"][: any("diff-triton" in r["seconds"] for r in result["rows"])]
+    how = (
+        f"step = forward + backward + AdamW ({result.get('step', 'plain AdamW, weights in the dtype')}), median of "
+        f"{result['repeats']} interleaved repeats; activations = bytes autograd saves for backward"
+    )
+    lines = _opening(result, how, "diff", "standard", "hf", *triton) + [
         "| T | standard ms | DIFF ms | HF DiffLlama ms | DIFF/standard | DIFF/HF | activations std MiB | DIFF MiB | "
         "HF MiB | DIFF/HF memory | DIFF/std memory |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
@@ -676,16 +681,7 @@ def bench_decode(
     cfg = models["diff"].config
     return _result(
         "decode",
-        dict(
-            preset=preset,
-            batch=batch,
-            d_model=cfg.d_model,
-            n_layers=cfg.n_layers,
-            standard_heads=cfg.n_heads,
-            diff_heads=cfg.attention_heads,
-            head_dim=cfg.head_dim,
-            new_tokens=tokens,
-        ),
+        {**_shapes(preset, batch, cfg), "new_tokens": tokens},
         repeats,
         rows,
         device,
@@ -693,56 +689,62 @@ def bench_decode(
     )
 
 
+def _shapes(preset: str, batch: int, cfg: ModelConfig) -> dict:
+    """A result's shapes: the preset, the batch and the model's sizes (DIFF's heads beside the standard model's)."""
+    return dict(
+        preset=preset,
+        batch=batch,
+        d_model=cfg.d_model,
+        n_layers=cfg.n_layers,
+        standard_heads=cfg.n_heads,
+        diff_heads=cfg.attention_heads,
+        head_dim=cfg.head_dim,
+    )
+
+
 def format_decode(result: dict) -> str:
-    s = result["shapes"]
-    lines = [
-        _title(result),
-        f"preset {s['preset']} (d_model {s['d_model']}, {s['n_layers']} layers, DIFF {s['diff_heads']} heads vs "
-        f"standard {s['standard_heads']} of size {s['head_dim']}), batch {s['batch']}; per repeat the mean of "
-        f"{s['new_tokens']} one-token steps run back to back after a prefill (no host read between them), median over "
-        f"{result['repeats']} repeats; ops = the operations one decode step dispatches (on a GPU each launches a "
-        "kernel or more: at batch 1 a small model's step is bound by launches)",
-        _methods_line(result, "decode", "standard"),
-        "",
-        "| context | standard tokens/s | DIFF tokens/s | DIFF / standard | standard ops | DIFF ops |",
-        "|---|---|---|---|---|---|",
-    ]
-    for row in result["rows"]:
-        t, ops = row["tokens_per_s"], row.get("ops_per_step", {})
-        lines.append(
-            f"| {row['context']} | {t['standard']:.1f} | {t['diff']:.1f} | {t['diff'] / t['standard']:.2f} | "
-            f"{ops.get('standard', '-')} | {ops.get('diff', '-')} |"
-        )
-    if "diff-compiled" in result["rows"][0]["tokens_per_s"]:
-        lines += [
-            "",
-            "torch.compile (fullgraph) of each model's decode step, same weights and cache:",
-            "",
-            "| context | standard tokens/s | DIFF tokens/s | DIFF / standard | standard vs eager | DIFF vs eager |",
-            "|---|---|---|---|---|---|",
-        ]
-        for row in result["rows"]:
-            t = row["tokens_per_s"]
-            sc, dc = t["standard-compiled"], t["diff-compiled"]
-            lines.append(
-                f"| {row['context']} | {sc:.1f} | {dc:.1f} | {dc / sc:.2f} | {sc / t['standard']:.2f} | "
-                f"{dc / t['diff']:.2f} |"
-            )
-    if "hf-diff" in result["rows"][0]["tokens_per_s"]:
+    how = (
+        f"per repeat the mean of {result['shapes']['new_tokens']} one-token steps run back to back after a prefill "
+        f"(no host read between them), median over {result['repeats']} repeats; ops = the operations one decode step "
+        "dispatches (on a GPU each launches a kernel or more: at batch 1 a small model's step is bound by launches)"
+    )
+    lines = _opening(result, how, "decode", "standard")
+    rows = result["rows"]
+    speeds = [row["tokens_per_s"] for row in rows]
+    lines += table(
+        ["context", "standard tokens/s", "DIFF tokens/s", "DIFF / standard", "standard ops", "DIFF ops"],
+        [
+            [row["context"], f"{t['standard']:.1f}", f"{t['diff']:.1f}", f"{t['diff'] / t['standard']:.2f}",
+             row.get("ops_per_step", {}).get("standard", "-"), row.get("ops_per_step", {}).get("diff", "-")]
+            for row, t in zip(rows, speeds, strict=True)
+        ],
+    )  # fmt: skip
+    if "diff-compiled" in speeds[0]:
+        lines += ["", "torch.compile (fullgraph) of each model's decode step, same weights and cache:", ""]
+        lines += table(
+            ["context", "standard tokens/s", "DIFF tokens/s", "DIFF / standard", "standard vs eager", "DIFF vs eager"],
+            [
+                [row["context"], f"{sc:.1f}", f"{dc:.1f}", f"{dc / sc:.2f}", f"{sc / t['standard']:.2f}",
+                 f"{dc / t['diff']:.2f}"]
+                for row, t in zip(rows, speeds, strict=True)
+                for sc, dc in [(t["standard-compiled"], t["diff-compiled"])]
+            ],
+        )  # fmt: skip
+    if "hf-diff" in speeds[0]:
         lines += [
             "",
             "transformers generate() on the same weights (DiffLlama, Llama; greedy, dynamic cache; per-token time from",
             "generate of 1 + N tokens minus generate of 1):",
             "",
-            "| context | HF Llama tokens/s | HF DiffLlama tokens/s | DIFF / HF DiffLlama | standard / HF Llama |",
-            "|---|---|---|---|---|",
         ]
-        for row in result["rows"]:
-            t = row["tokens_per_s"]
-            lines.append(
-                f"| {row['context']} | {t['hf-standard']:.1f} | {t['hf-diff']:.1f} | {t['diff'] / t['hf-diff']:.2f} | "
-                f"{t['standard'] / t['hf-standard']:.2f} |"
-            )
+        lines += table(
+            ["context", "HF Llama tokens/s", "HF DiffLlama tokens/s", "DIFF / HF DiffLlama", "standard / HF Llama"],
+            [
+                [row["context"], f"{t['hf-standard']:.1f}", f"{t['hf-diff']:.1f}", f"{t['diff'] / t['hf-diff']:.2f}",
+                 f"{t['standard'] / t['hf-standard']:.2f}"]
+                for row, t in zip(rows, speeds, strict=True)
+            ],
+        )  # fmt: skip
     return "\n".join(lines)
 
 

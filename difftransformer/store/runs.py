@@ -34,7 +34,7 @@ from difftransformer.store.checkpoint import (
     save_checkpoint,
 )
 from difftransformer.store.data import TokenData, eval_windows
-from difftransformer.store.tokenizer import Tokenizer, load_tokenizer
+from difftransformer.store.tokenizer import Tokenizer, load_tokenizer, refuse_replaced
 
 MODEL_CONFIG = "model_config.json"
 TRAIN_CONFIG = "train_config.json"
@@ -249,13 +249,9 @@ def check_recorded(checkpoint: Path, meta: dict, config: ModelConfig, tokenizer:
     recorded = meta.get("model_config")
     if isinstance(recorded, dict):
         refuse_changed(run / MODEL_CONFIG, f"the config {checkpoint.name} was written with", config.to_dict(), recorded)
-    fingerprint = meta.get("tokenizer")
-    if fingerprint is not None and fingerprint != tokenizer.fingerprint():
-        raise InputError(
-            f"the tokenizer in {run} ({tokenizer.fingerprint()}) is not the one {checkpoint.name} was written with "
-            f"({fingerprint}): a tokenizer file was replaced; copy the right one back (the run's data directory "
-            "holds it)"
-        )
+    refuse_replaced(
+        tokenizer, meta.get("tokenizer"), f"the tokenizer in {run}", checkpoint.name, "the run's data directory"
+    )
 
 
 def check_weights(model: torch.nn.Module, tensors: dict[str, torch.Tensor], source: str, config: str) -> None:

@@ -346,14 +346,23 @@ def load_tokenizer(directory: str | Path) -> Tokenizer:
     if Path(file).name != file:
         raise InputError(f"{spec_path} is damaged: file {file!r} is not a file name in its directory")
     tokenizer = HFTokenizer.from_file(directory / file, eot=eot, stop=stop, bos=bos)
-    recorded = spec.get("fingerprint")
+    refuse_replaced(
+        tokenizer, spec.get("fingerprint"), directory / file, spec_path, "the data directory prepared with it"
+    )
+    return tokenizer
+
+
+def refuse_replaced(
+    tokenizer: Tokenizer, recorded: str | None, where: str | Path, record: str | Path, holder: str
+) -> None:
+    """An InputError when ``recorded``, the fingerprint ``record`` wrote, is not ``tokenizer``'s: its file
+    (``where``) was replaced or edited, and ``holder`` holds the right one. None (nothing recorded) passes."""
     if recorded is not None and recorded != tokenizer.fingerprint():
         raise InputError(
-            f"{directory / file} is not the tokenizer {spec_path} was saved with (its fingerprint is "
-            f"{tokenizer.fingerprint()}, the spec records {recorded}): the file was replaced or edited; copy the "
-            "right one back (the data directory prepared with it holds it)"
+            f"{where} is not the tokenizer {record} was saved with (its fingerprint is {tokenizer.fingerprint()}, "
+            f"{record} records {recorded}): the file was replaced or edited; copy the right one back ({holder} "
+            "holds it)"
         )
-    return tokenizer
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int, out_dir: str | Path) -> HFTokenizer:

@@ -65,11 +65,13 @@ class Trainer:
         on_step: called with every row read (step, loss, ...), e.g. for a live display.
 
     Examples:
-        >>> from difftransformer import TrainConfig, train
+        >>> from difftransformer import TrainConfig
         >>> from difftransformer.store.examples import example_data
         >>> data = example_data()  # a short text, prepared in a new temporary directory
-        >>> cfg = TrainConfig(data=str(data), out=f"{data}-run", max_steps=2, batch_size=2, seq_len=32, eval_tokens=64)
-        >>> trainer = Trainer(cfg, quiet=True)
+        >>> trainer = Trainer(
+        ...     TrainConfig(data=str(data), out=f"{data}-run", max_steps=2, batch_size=2, seq_len=32, eval_tokens=64),
+        ...     quiet=True,
+        ... )
         >>> try:
         ...     rows = trainer.fit(until=1)  # one step; fit() again trains on to max_steps
         ... finally:

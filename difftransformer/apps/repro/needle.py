@@ -191,24 +191,18 @@ def markdown(result: dict) -> str:
             cells.append(" / ".join(f"{x:.2f}" for x in shares))
         lines.append(f"| ({n}, {r}) | {cells[0]} | {cells[1]} |")
     n, r = result["grid_needles"]
-    levels = spec["task"].get("eval_key_noise", [])
-    if levels:
-        lines += [
-            "",
-            f"Distractor keys: N={n}, R={r}, with this share of the filler tokens replaced by random keys (without a "
-            f"MARK); trained with key noise {spec['task'].get('key_noise', 0.0)}. " + _stress_columns(seeds),
-            "",
-            *_stress_table(result, "by_key_noise", "key noise", {str(x): f"{x:.0%}" for x in levels}),
-        ]
-    more = spec["task"].get("eval_needles", [])
-    if more:
-        lines += [
-            "",
-            f"More needles than trained (N up to {max(_trained_needles(spec['task']))} in training): R={r}, the "
-            f"training length {spec['seq_len']}, the random-needle baseline 1/N in brackets. " + _stress_columns(seeds),
-            "",
-            *_stress_table(result, "by_needles", "N", {str(m): f"{m} ({1 / m:.2f})" for m in more}),
-        ]
+    task = spec["task"]
+    stresses = (  # (the paragraph, the field, the rows' name, each row's label): those the evaluation ran
+        (f"Distractor keys: N={n}, R={r}, with this share of the filler tokens replaced by random keys (without a "
+         f"MARK); trained with key noise {task.get('key_noise', 0.0)}.", "by_key_noise", "key noise",
+         {str(x): f"{x:.0%}" for x in task.get("eval_key_noise", [])}),
+        (f"More needles than trained (N up to {max(_trained_needles(task))} in training): R={r}, the training "
+         f"length {spec['seq_len']}, the random-needle baseline 1/N in brackets.", "by_needles", "N",
+         {str(m): f"{m} ({1 / m:.2f})" for m in task.get("eval_needles", [])}),
+    )  # fmt: skip
+    for text, field, name, rows in stresses:
+        if rows:
+            lines += ["", f"{text} {_stress_columns(seeds)}", "", *_stress_table(result, field, name, rows)]
     lines += ["", f"Accuracy by context length (rows) and answer depth (columns), N={n}, R={r}, mean over seeds:", ""]
     for a in report.PAIR:
         grid = report.mean_grid([e["depth_length"] for e in result["evals"] if e["attention"] == a])

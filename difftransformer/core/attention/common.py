@@ -149,8 +149,25 @@ class AttentionBase(nn.Module):
     def _project(self, x, mask, positions, cache, rotary):
         """q (B, query heads, T, d), k and v (B, Hkv, Tk, d) with rotary and cache, and the expanded mask (the
         softmax variants; differential V1 overrides it)."""
-        q, k, v = project_heads(self, x, positions, cache, rotary, self.q_proj.out_features // self.head_dim)
-        return q, *attended(self, k, v, mask, cache, x.shape[1])  # with a cache all L slots
+        b, t, _ = x.shape
+        d = self.head_dim
+        q = self.q_proj(x).view(b, t, -1, d)
+        k = self.k_proj(x).view(b, t, self.num_kv_heads, d)
+        v = self.v_proj(x).view(b, t, self.num_kv_heads, d)
+        if (rotary := self._rotary_of(x, positions, cache, rotary)) is not None:
+            q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
+        return q.transpose(1, 2), *attended(self, k.transpose(1, 2), v.transpose(1, 2), mask, cache, t)
+
+    def _rotary_of(self, x, positions, cache, rotary) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """cos/sin of the T new tokens of ``x``: ``rotary`` when the caller computed it once for all layers, else
+        from ``positions`` (default: 0..T-1, or the positions after the cache); None without RoPE."""
+        if self.rope_theta is None:
+            return None
+        if rotary is not None:
+            return rotary
+        if positions is None and cache is not None:
+            positions = cache.slots
+        return rotary_for(positions, x.shape[1], self.head_dim, self.rope_theta, x, self.rope_scaling)
 
     def _attend(self, x, q, k, v, mask, causal: bool, need_weights: bool):
         """The variant's attention of the projected q, k, v and its output projection: forward's return."""
@@ -228,45 +245,6 @@ def expand_mask(mask: torch.Tensor | None, batch: int, tq: int, tk: int) -> torc
     if mask.shape[2] not in (1, tq):
         raise InputError(f"attention mask has {mask.shape[2]} query rows for {tq} queries")
     return mask.expand(mask.shape[0], 1, tq, tk)
-
-
-def rotary_of(
-    attn: torch.nn.Module,
-    x: torch.Tensor,
-    positions: torch.Tensor | None,
-    cache,
-    rotary: tuple[torch.Tensor, torch.Tensor] | None,
-) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """cos/sin of the T new tokens of ``x`` for ``attn``: ``rotary`` when the caller computed it once for all
-    layers, else from ``positions`` (default: 0..T-1, or the positions after the cache); None without RoPE."""
-    if attn.rope_theta is None:
-        return None
-    if rotary is not None:
-        return rotary
-    t = x.shape[1]
-    if positions is None and cache is not None:
-        positions = cache.slots
-    return rotary_for(positions, t, attn.head_dim, attn.rope_theta, x, attn.rope_scaling)
-
-
-def project_heads(
-    attn: torch.nn.Module,
-    x: torch.Tensor,
-    positions: torch.Tensor | None,
-    cache,
-    rotary: tuple[torch.Tensor, torch.Tensor] | None,
-    num_q_heads: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q (B, num_q_heads, T, d), k and v (B, Hkv, T, d) with rotary applied (rotary_of), for the softmax-attention
-    modules. ``attn`` provides q_proj, k_proj, v_proj, head_dim and num_kv_heads."""
-    b, t, _ = x.shape
-    d = attn.head_dim
-    q = attn.q_proj(x).view(b, t, num_q_heads, d)
-    k = attn.k_proj(x).view(b, t, attn.num_kv_heads, d)
-    v = attn.v_proj(x).view(b, t, attn.num_kv_heads, d)
-    if (rotary := rotary_of(attn, x, positions, cache, rotary)) is not None:
-        q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
-    return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
 
 def attended(

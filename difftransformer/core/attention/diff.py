@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from difftransformer.core.attention import cpu_kernel
-from difftransformer.core.attention.common import AttentionBase, attended, rotary_of
+from difftransformer.core.attention.common import AttentionBase, attended
 from difftransformer.core.attention.gqa_layout import warn_unknown_pairing
 from difftransformer.core.attention.kernels import DECODE_ROWS, attention_probs, diff_method, softmax_dtype
 from difftransformer.core.attention.logits import active_probe
@@ -250,7 +250,7 @@ class MultiheadDiffAttn(AttentionBase):
         q = self.q_proj(x).view(b, t, self.num_heads, 2, d)
         k = self.k_proj(x).view(b, t, self.num_kv_heads, 2, d)
         v = self.v_proj(x).view(b, t, self.num_kv_heads, 2 * d)
-        rotary = rotary_of(self, x, positions, cache, rotary)
+        rotary = self._rotary_of(x, positions, cache, rotary)
         if rotary is not None:
             q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
         q = q.permute(0, 2, 3, 1, 4)  # (B, H, 2, T, d)
