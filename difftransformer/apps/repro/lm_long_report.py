@@ -21,6 +21,7 @@ from difftransformer.apps.repro.lm_long import (
     UNTUNED,
     LongScale,
 )
+from difftransformer.apps.repro.report import interval
 from difftransformer.core.model import count_parameters
 from difftransformer.fsutil import read_json_object
 
@@ -152,7 +153,9 @@ def _variant(v: str, long: dict, plan: LongScale, timing: dict | None) -> dict:
     if v != "standard":
         for key, name in (("loss", "minus_standard"), ("recall_loss", "recall_minus_standard"),
                           ("other_loss", "other_minus_standard")):  # fmt: skip
-            row[name] = _paired({s: runs[s]["val"][key] for s in seeds}, {s: base[s]["val"][key] for s in seeds})
+            row[name] = stats.paired_finite(
+                {s: runs[s]["val"][key] for s in seeds}, {s: base[s]["val"][key] for s in seeds}
+            )
         row["gap_curve"] = gap_curve({s: runs[s]["curve"] for s in seeds}, {s: base[s]["curve"] for s in seeds})
         positions = [
             [a - b for a, b in zip(runs[s]["per_position"], base[s]["per_position"], strict=True)] for s in seeds
@@ -182,13 +185,6 @@ def step_seconds(timing: dict, v: str) -> float:
     optimizer state: most of a run is trained at that cost, which can exceed a fresh model's), or, in a timing
     without it, the fresh model's."""
     return timing.get("trained_seconds_per_step", {}).get(v) or timing["seconds_per_step"][v]
-
-
-def _paired(first: dict[int, float], second: dict[int, float]) -> dict | None:
-    """stats.paired, or None when a value is not finite (a diverged run; a slice without tokens)."""
-    if not all(math.isfinite(x) for x in (*first.values(), *second.values())):
-        return None
-    return stats.paired(first, second)
 
 
 def gap_curve(curves: dict[int, list], base: dict[int, list]) -> list[list[float]]:
@@ -254,8 +250,8 @@ def _explanation(result: dict) -> dict:
                for v in DIAGNOSED}
         for step in (first, last)
     }  # fmt: skip
-    gain_vs_diff = _paired(_by_seed(rows["diff-norm-gain"]), _by_seed(rows["diff"]))
-    no_norm_vs_diff = _paired(_by_seed(rows["diff-no-head-norm"]), _by_seed(rows["diff"]))
+    gain_vs_diff = stats.paired_finite(_by_seed(rows["diff-norm-gain"]), _by_seed(rows["diff"]))
+    no_norm_vs_diff = stats.paired_finite(_by_seed(rows["diff-no-head-norm"]), _by_seed(rows["diff"]))
     diff_gap = rows["diff"]["minus_standard"]
     gain_gap = rows["diff-norm-gain"]["minus_standard"]
     if diff_gap is None or gain_gap is None or gain_vs_diff is None:
@@ -279,13 +275,6 @@ def _by_seed(row: dict) -> dict[int, float]:
 
 
 # the section -------------------------------------------------------------------------------------------------------
-def _iv(d: dict | tuple | None, fmt: str = "{:+.4f}") -> str:
-    if d is None:
-        return "-"
-    m, lo, hi = (d["mean"], d["low"], d["high"]) if isinstance(d, dict) else d
-    return f"{fmt.format(m)} ({fmt.format(lo)} to {fmt.format(hi)})"
-
-
 def _pct_iv(fr: dict) -> str:
     if fr["interval"] is not None:
         m, lo, hi = fr["interval"]
@@ -399,8 +388,8 @@ def _final_markdown(result: dict) -> list[str]:
         tf = row.get("time_fraction")
         lines.append(
             f"| {LABELS[v]} | {row['lr']:g} | {report.mean_std(row['losses'], 4)} | "
-            f"{_iv(row.get('minus_standard'))} | {_iv(row.get('recall_minus_standard'))} | "
-            f"{_iv(row.get('other_minus_standard'))} | "
+            f"{interval(row.get('minus_standard'))} | {interval(row.get('recall_minus_standard'))} | "
+            f"{interval(row.get('other_minus_standard'))} | "
             f"{'100%' if v == 'standard' else _pct_iv(row['token_fraction'])} | "
             f"{'100%' if v == 'standard' else '-' if tf is None else _pct_iv(tf)} |"
         )
@@ -420,7 +409,7 @@ def _final_markdown(result: dict) -> list[str]:
         picks = _picks(gap)
         crossings = [gap[i][0] for i in range(1, len(gap)) if (gap[i][1] < 0) != (gap[i - 1][1] < 0)]
         cross = ", ".join(f"at {t / 1e6:.2f}M tokens" for t in crossings) or "none"
-        lines.append(f"| {LABELS[v]} | " + " | ".join(_iv(tuple(g[1:])) for g in picks) + f" | {cross} |")
+        lines.append(f"| {LABELS[v]} | " + " | ".join(interval(tuple(g[1:])) for g in picks) + f" | {cross} |")
     lines.append("")
     lines += _positions_markdown(result)
     return lines
@@ -562,8 +551,8 @@ def _explanation_markdown(result: dict, ex: dict) -> list[str]:
         f"{_num(n0['diff-no-head-norm']['grad_vs_standard'])} and {_num(n0['diff-norm-gain']['grad_vs_standard'])} "
         "times the standard model's.",
         "",
-        f"Final loss, paired: DIFF V1 - standard {_iv(rows['diff']['minus_standard'])}; matched gain - DIFF V1 "
-        f"{_iv(ex['gain_vs_diff'])}; no norm - DIFF V1 {_iv(ex['no_norm_vs_diff'])}.",
+        f"Final loss, paired: DIFF V1 - standard {interval(rows['diff']['minus_standard'])}; matched gain - DIFF V1 "
+        f"{interval(ex['gain_vs_diff'])}; no norm - DIFF V1 {interval(ex['no_norm_vs_diff'])}.",
         "",
     ]
     text = {
@@ -587,7 +576,7 @@ def _explanation_markdown(result: dict, ex: dict) -> list[str]:
     norm_gap = rows.get("standard-head-norm", {}).get("minus_standard")
     if norm_gap is not None:
         sign = "costs it" if norm_gap["low"] > 0 else "gains it" if norm_gap["high"] < 0 else "changes it by"
-        reading += f" The same per-head norm at gain 1 added to the standard model {sign} {_iv(norm_gap)} nats" + (
+        reading += f" The same per-head norm at gain 1 added to the standard model {sign} {interval(norm_gap)} nats" + (
             ": at gain 1 the norm hurts the standard model too, so the cost is the norm's, "
             "not differential attention's."
             if norm_gap["low"] > 0

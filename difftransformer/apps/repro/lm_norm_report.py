@@ -73,7 +73,8 @@ def analyse(out: Path, measures: dict[str, dict]) -> dict | None:
     result["machine_hours"] = {k: v / 3600 for k, v in timings.items() if k.startswith("norm-")}
     complete = [v for v, f in finals.items() if len(f["losses"]) == plan.final_seeds]
     result["complete"] = complete
-    result["contrasts"] = _contrasts(finals, complete)
+    family = [c for c in CONTRASTS if c[0] in complete and c[1] in complete]
+    result["contrasts"] = stats.contrasts(family, {v: finals[v]["losses"] for v in complete}, MARGIN, ALPHA)
     if "standard" in complete:
         total = plan.steps[0] * plan.seq_len * plan.batch_size
         result["token_fractions"] = {v: _token_fraction(finals[v], finals["standard"], total) for v in complete}
@@ -90,41 +91,6 @@ def _tuning(state: dict) -> dict:
         }  # fmt: skip
         for v, st in state.items()
     }
-
-
-def _contrasts(finals: dict, complete: list[str]) -> list[dict]:
-    """The family's paired contrasts: Holm-adjusted p-values against zero and for TOST at the margin; each interval at
-    the level of its Holm step (it excludes zero exactly when Holm calls the difference), and Bonferroni's
-    simultaneous one beside it (``simultaneous``)."""
-    family = [c for c in CONTRASTS if c[0] in complete and c[1] in complete]
-    differences = []
-    for first, second, _ in family:
-        a, b = finals[first]["losses"], finals[second]["losses"]
-        seeds = sorted(set(a) & set(b))
-        differences.append((seeds, [a[s] - b[s] for s in seeds]))
-    simultaneous = 1 - ALPHA / max(1, len(family))
-    rows = [{"first": first, "second": second, "question": question, "seeds": seeds,
-             **stats.paired_test(diffs, MARGIN, simultaneous)}
-            for (first, second, question), (seeds, diffs) in zip(family, differences, strict=True)]  # fmt: skip
-    levels = stats.holm_levels([r["p_zero"] for r in rows], ALPHA)
-    for row, level, (_, diffs) in zip(rows, levels, differences, strict=True):
-        row["simultaneous"] = [row["low"], row["high"]]
-        row.update(stats.paired_test(diffs, MARGIN, 1 - level))
-    for key in ("p_zero", "p_tost"):
-        for row, adjusted in zip(rows, stats.holm([r[key] for r in rows]), strict=True):
-            row[key + "_holm"] = adjusted
-    for row in rows:
-        row["verdict"] = verdict(row)
-    return rows
-
-
-def verdict(row: dict) -> str:
-    """What a contrast may say: equivalent (TOST at the margin), different (against zero), or neither."""
-    if row["p_tost_holm"] < ALPHA:
-        return f"equivalent within +-{row['margin']:g}"
-    if row["p_zero_holm"] < ALPHA:
-        return "lower" if row["mean"] < 0 else "higher"
-    return f"not distinguishable at +-{max(abs(row['low']), abs(row['high'])):.3f}"
 
 
 def _token_fraction(row: dict, base: dict, total: int) -> dict:

@@ -25,6 +25,7 @@ from difftransformer.apps.repro.lm import (
     read_measures,
     sweep_runs,
 )
+from difftransformer.apps.repro.report import percent
 from difftransformer.apps.repro.scaling import fit_power_law, fraction_needed
 from difftransformer.apps.repro.stats import t_interval
 from difftransformer.errors import InputError
@@ -244,15 +245,8 @@ def write_study(out: Path) -> dict:
     return _write_parts(out, {"experiment": "lm"}, "", measures)
 
 
-def _pct(x: float | None) -> str:
-    return "-" if x is None or not math.isfinite(x) else f"{100 * x:.1f}%"
-
-
-def _interval(iv, fmt="{:.4f}") -> str:
-    if iv is None:
-        return "-"
-    m, lo, hi = iv
-    return f"{fmt.format(m)} (95% t-interval {fmt.format(lo)} to {fmt.format(hi)})"
+def _interval(iv, fmt: str) -> str:
+    return report.interval(iv, fmt, "95% t-interval ")
 
 
 def markdown(result: dict) -> str:
@@ -349,26 +343,26 @@ def _grid_markdown(result: dict, sc: dict) -> list[str]:
         lines += [
             f"**Parameter fraction**: the share of the standard model's parameters DIFF needs for the standard "
             f"model's loss, at size {top}: {_interval(fit['fraction_at_top'], '{:.1%}')} over the seeds of size "
-            f"{sc['reference']} (by seed: {', '.join(_pct(x) for x in fit['fraction_at_top_by_seed'])}); at each "
+            f"{sc['reference']} (by seed: {', '.join(percent(x) for x in fit['fraction_at_top_by_seed'])}); at each "
             f"size (seed 0): "
-            + ", ".join(f"{k} {_pct(v)}" for k, v in fit["fraction_at_size"].items())
-            + f". Paper: {_pct(PAPER['parameter_fraction'])} (6.8B vs 11B). Above 100% means DIFF needs more.",
+            + ", ".join(f"{k} {percent(v)}" for k, v in fit["fraction_at_size"].items())
+            + f". Paper: {percent(PAPER['parameter_fraction'])} (6.8B vs 11B). Above 100% means DIFF needs more.",
             "",
         ]
     else:
         lines += [
             f"**Parameter fraction**: not read. At {hi} steps the fits above do not both fall with size, so the "
             f"share of parameters they would give means nothing (below). Paper: "
-            f"{_pct(PAPER['parameter_fraction'])} (6.8B vs 11B).",
+            f"{percent(PAPER['parameter_fraction'])} (6.8B vs 11B).",
             "",
         ]
     lines += [
         "**Token fraction**: the share of the long budget's tokens DIFF needs for the standard model's loss after "
         "the long budget (two budgets per curve, so the power law interpolates between them and extrapolates beyond): "
-        + ", ".join(f"{k} {_pct(v['fraction'])}" for k, v in result["token_fits"].items())
+        + ", ".join(f"{k} {percent(v['fraction'])}" for k, v in result["token_fits"].items())
         + " (seed 0)"
         + _token_seeds(result, sc)
-        + f". Paper: {_pct(PAPER['token_fraction'])} (3B, 160B vs 251B tokens).",
+        + f". Paper: {percent(PAPER['token_fraction'])} (3B, 160B vs 251B tokens).",
         "",
     ]
     for steps, fit_ in result["param_fits"].items():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import statistics
 from pathlib import Path
 
@@ -32,6 +33,20 @@ def mean_std(xs: list[float], digits: int = 2) -> str:
 def mean_sd(xs: list[float], digits: int = 3) -> str:
     """'mean +- sd' over seeds; one seed's value alone."""
     return f"{mean(xs):.{digits}f}" + (f" +- {std(xs):.{digits}f}" if len(xs) > 1 else "")
+
+
+def interval(iv: dict | tuple | None, fmt: str = "{:+.4f}", words: str = "") -> str:
+    """'mean (low to high)' of an interval, (mean, low, high) or a dict of them (stats.paired's), each as ``fmt``
+    writes it, ``words`` before the bounds (e.g. '95% t-interval '); '-' for None."""
+    if iv is None:
+        return "-"
+    m, lo, hi = (iv["mean"], iv["low"], iv["high"]) if isinstance(iv, dict) else iv
+    return f"{fmt.format(m)} ({words}{fmt.format(lo)} to {fmt.format(hi)})"
+
+
+def percent(x: float | None) -> str:
+    """'12.3%'; '-' for None or a value that is not finite."""
+    return "-" if x is None or not math.isfinite(x) else f"{100 * x:.1f}%"
 
 
 def over_seeds(seeds: list[int]) -> str:

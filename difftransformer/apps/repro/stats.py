@@ -136,3 +136,45 @@ def paired_test(differences: list[float], margin: float, level: float) -> dict:
     half = t_quantile(1 - (1 - level) / 2, df) * se
     return {"n": n, "mean": mean, "se": se, "p_zero": p_zero, "p_tost": p_tost, "margin": margin,
             "level": level, "low": mean - half, "high": mean + half}  # fmt: skip
+
+
+def contrasts(family: list[tuple[str, str, str]], values: dict[str, dict[int, float]], margin: float, alpha: float):
+    """A family of paired contrasts, each (first, second, the question it answers), over the seeds both of ``values``
+    have: Holm-adjusted p-values against zero and for TOST at ``margin``; each interval at the level of its Holm step
+    (it excludes zero exactly when Holm calls the difference), Bonferroni's simultaneous one beside it
+    (``simultaneous``); and what each may say (``verdict``)."""
+    differences = []
+    for first, second, _ in family:
+        a, b = values[first], values[second]
+        seeds = sorted(set(a) & set(b))
+        differences.append((seeds, [a[s] - b[s] for s in seeds]))
+    simultaneous = 1 - alpha / max(1, len(family))
+    rows = [{"first": first, "second": second, "question": question, "seeds": seeds,
+             **paired_test(diffs, margin, simultaneous)}
+            for (first, second, question), (seeds, diffs) in zip(family, differences, strict=True)]  # fmt: skip
+    levels = holm_levels([r["p_zero"] for r in rows], alpha)
+    for row, level, (_, diffs) in zip(rows, levels, differences, strict=True):
+        row["simultaneous"] = [row["low"], row["high"]]
+        row.update(paired_test(diffs, margin, 1 - level))
+    for key in ("p_zero", "p_tost"):
+        for row, adjusted in zip(rows, holm([r[key] for r in rows]), strict=True):
+            row[key + "_holm"] = adjusted
+    for row in rows:
+        row["verdict"] = verdict(row, alpha)
+    return rows
+
+
+def verdict(row: dict, alpha: float) -> str:
+    """What a contrast may say: equivalent (TOST at its margin), different (against zero), or neither."""
+    if row["p_tost_holm"] < alpha:
+        return f"equivalent within +-{row['margin']:g}"
+    if row["p_zero_holm"] < alpha:
+        return "lower" if row["mean"] < 0 else "higher"
+    return f"not distinguishable at +-{max(abs(row['low']), abs(row['high'])):.3f}"
+
+
+def paired_finite(first: dict[int, float], second: dict[int, float]) -> dict | None:
+    """paired, or None when a value is not finite (a diverged run; a slice without tokens)."""
+    if not all(math.isfinite(x) for x in (*first.values(), *second.values())):
+        return None
+    return paired(first, second)
