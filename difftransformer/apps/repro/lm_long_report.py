@@ -598,12 +598,7 @@ def _plot_tuning(result: dict, path: Path) -> None:
     plt = figures.pyplot()
     fig, ax = plt.subplots(figsize=(6.5, 4))
     for v, st in result["tuning"].items():
-        pts = sorted((float(lr), xs) for lr, xs in st["losses"].items() if all(math.isfinite(x) for x in xs))
-        if not pts:
-            continue
-        ax.plot([p[0] for p in pts], [statistics.fmean(p[1]) for p in pts], "o-", color=COLORS[v], label=SHORT[v])
-        for lr, xs in pts:
-            ax.plot([lr] * len(xs), xs, ".", color=COLORS[v], alpha=0.5, ms=4)
+        report.plot_rates(ax, st["losses"], COLORS[v], SHORT[v], 4)
     ax.set(xscale="log", xlabel="peak learning rate", ylabel="validation loss (nats per token)")
     rates = sorted({float(lr) for st in result["tuning"].values() for lr in st["losses"]})
     ax.set_xticks(rates, [f"{r:g}" for r in rates], rotation=45)  # the rates themselves, not overlapping labels

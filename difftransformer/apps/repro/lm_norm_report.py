@@ -17,7 +17,7 @@ import statistics
 from pathlib import Path
 
 from difftransformer.apps import figures
-from difftransformer.apps.repro import lm, lm_norm, stats
+from difftransformer.apps.repro import lm, lm_norm, report, stats
 from difftransformer.apps.repro.lm_long_report import curve_mean, gap_curve, tokens_to_reach
 from difftransformer.apps.repro.lm_norm import LABELS, NORM_PLAN, NORM_VARIANTS, SIZE, NormScale
 from difftransformer.fsutil import read_json_object
@@ -238,15 +238,11 @@ def _plot_tuning(result: dict, path: Path) -> None:
     fig, axes = plt.subplots(rows, cols, figsize=(13, 3.2 * rows), squeeze=False)
     for ax, v in zip(axes.flat, variants, strict=False):
         st = result["tuning"][v]
-        pts = sorted((float(lr), xs) for lr, xs in st["losses"].items() if all(math.isfinite(x) for x in xs))
-        if pts:
-            ax.plot([p[0] for p in pts], [statistics.fmean(p[1]) for p in pts], "o-", color=COLORS[v], label=LABELS[v])
-            for lr, xs in pts:
-                ax.plot([lr] * len(xs), xs, ".", color=COLORS[v], alpha=0.5, ms=5)
-            if st["best"] is not None:
-                ax.axvline(st["best"], color="k", lw=0.6, ls=":")
+        rates = report.plot_rates(ax, st["losses"], COLORS[v], LABELS[v], 5)
+        if rates and st["best"] is not None:
+            ax.axvline(st["best"], color="k", lw=0.6, ls=":")
         ax.set_xscale("log")
-        ax.set_xticks([p[0] for p in pts], [f"{p[0]:g}" for p in pts], rotation=45)
+        ax.set_xticks(rates, [f"{r:g}" for r in rates], rotation=45)
         ax.minorticks_off()
         ax.set_title(LABELS[v], fontsize=9)
     for ax in axes.flat[len(variants) :]:

@@ -98,6 +98,17 @@ def images(task: str) -> str:
     return f"Figures: `{task}_*.png` beside this report."
 
 
+def plot_rates(ax, losses: dict[str, list[float]], color: str, label: str, dot: float) -> list[float]:
+    """On ``ax``: the mean loss over the seeds at each learning rate (a line) and each seed's (dots of size ``dot``),
+    a rate with a loss that is not finite left out; returns the rates drawn."""
+    pts = sorted((float(lr), xs) for lr, xs in losses.items() if all(math.isfinite(x) for x in xs))
+    if pts:
+        ax.plot([p[0] for p in pts], [statistics.fmean(p[1]) for p in pts], "o-", color=color, label=label)
+        for lr, xs in pts:
+            ax.plot([lr] * len(xs), xs, ".", color=color, alpha=0.5, ms=dot)
+    return [p[0] for p in pts]
+
+
 def plot_curves(runs: list[dict], path: Path, ylabel: str, task: str) -> None:
     """The measure against steps and against training seconds: thin line per seed, both models."""
     plt = pyplot()
