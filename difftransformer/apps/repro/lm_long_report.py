@@ -162,22 +162,31 @@ def _variant(v: str, long: dict, plan: LongScale, timing: dict | None) -> dict:
         ]
         row["position_difference"] = [statistics.fmean(p[i] for p in positions) for i in range(len(positions[0]))]
     total = plan.steps[0] * plan.tokens_per_step
-    reached = [tokens_to_reach(runs[s]["curve"], base[s]["curve"][-1][2]) for s in seeds]
-    fractions = [None if t is None else t / total for t in reached]
-    row["token_fraction"] = {
-        "by_seed": fractions,
-        "interval": stats.t_interval(fractions) if all(f is not None for f in fractions) else None,
-    }
+    row["token_fraction"] = token_fraction(
+        {s: runs[s]["curve"] for s in seeds}, {s: base[s]["curve"] for s in seeds}, total
+    )
     if timing is not None:
         ratio = step_seconds(timing, v) / step_seconds(timing, "standard")
         row["seconds_per_step"] = step_seconds(timing, v)
         row["time_ratio"] = ratio
         row["time_fraction"] = {
-            "by_seed": [None if f is None else f * ratio for f in fractions],
+            "by_seed": [None if f is None else f * ratio for f in row["token_fraction"]["by_seed"]],
             "interval": None if row["token_fraction"]["interval"] is None else
             tuple(x * ratio for x in row["token_fraction"]["interval"]),
         }  # fmt: skip
     return row
+
+
+def token_fraction(curves: dict[int, list], base: dict[int, list], total: int) -> dict:
+    """Per seed both have, the training tokens at which a variant's validation curve ([step, tokens, loss] points)
+    reaches the standard model's final loss (same seed), as a fraction of ``total`` (None: never), with the t
+    interval when every seed of two or more reaches it."""
+    fractions = []
+    for s in sorted(set(curves) & set(base)):
+        t = tokens_to_reach(curves[s], base[s][-1][2])
+        fractions.append(None if t is None else t / total)
+    reached = len(fractions) > 1 and all(f is not None for f in fractions)
+    return {"by_seed": fractions, "interval": stats.t_interval(fractions) if reached else None}
 
 
 def step_seconds(timing: dict, v: str) -> float:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from difftransformer.apps import figures
 from difftransformer.apps.repro import lm, lm_norm, report, stats
-from difftransformer.apps.repro.lm_long_report import curve_mean, gap_curve, tokens_to_reach
+from difftransformer.apps.repro.lm_long_report import curve_mean, gap_curve, token_fraction
 from difftransformer.apps.repro.lm_norm import LABELS, NORM_PLAN, NORM_VARIANTS, SIZE, NormScale
 from difftransformer.fsutil import read_json_object
 
@@ -77,7 +77,9 @@ def analyse(out: Path, measures: dict[str, dict]) -> dict | None:
     result["contrasts"] = stats.contrasts(family, {v: finals[v]["losses"] for v in complete}, MARGIN, ALPHA)
     if "standard" in complete:
         total = plan.steps[0] * plan.seq_len * plan.batch_size
-        result["token_fractions"] = {v: _token_fraction(finals[v], finals["standard"], total) for v in complete}
+        result["token_fractions"] = {
+            v: token_fraction(finals[v]["curves"], finals["standard"]["curves"], total) for v in complete
+        }
     return result
 
 
@@ -91,19 +93,6 @@ def _tuning(state: dict) -> dict:
         }  # fmt: skip
         for v, st in state.items()
     }
-
-
-def _token_fraction(row: dict, base: dict, total: int) -> dict:
-    """Per seed, the training tokens at which the variant's curve reaches the standard model's final loss (same
-    seed), as a fraction of the budget (None: never), with the t interval when every seed reaches it."""
-    fractions = []
-    for s in sorted(row["curves"]):
-        if s not in base["curves"]:
-            continue
-        t = tokens_to_reach(row["curves"][s], base["curves"][s][-1][2])
-        fractions.append(None if t is None else t / total)
-    reached = all(f is not None for f in fractions) and len(fractions) > 1
-    return {"by_seed": fractions, "interval": stats.t_interval(fractions) if reached else None}
 
 
 # the text ----------------------------------------------------------------------------------------------------------
