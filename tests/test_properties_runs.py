@@ -64,6 +64,8 @@ def runs(tmp_path_factory) -> dict[str, Path]:
 @example(EOT.encode(), "byte")
 @example(b"ab\xff", "a")
 @example(b"", "byte")
+@example(b"-5 degrees", "byte")  # a prompt that begins with '-' (argparse read it as a flag)
+@example(b"--", "byte")
 def test_any_prompt_generates_or_is_refused_in_one_line(runs, capsys, data, which):
     prompt = os.fsdecode(data)  # what Python makes of argv bytes: lone surrogates for bytes that are not UTF-8
     argv = ["generate", "--run", str(runs[which]), "--prompt", prompt, "--max-new-tokens", "3", "--temperature", "0"]

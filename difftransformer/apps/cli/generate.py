@@ -16,7 +16,8 @@ def generate_command(sub) -> None:
         "difftx generate --run runs/diff-tiny --prompt 'The module ' --max-new-tokens 60 --seed 0",
     )
     gen.add_argument("--run", type=INPUT, required=True, help="a run directory (trained, converted or quantized)")
-    gen.add_argument("--prompt", required=True, help="the text to continue")
+    prompt = gen.add_argument("--prompt", required=True, help="the text to continue (it may begin with '-')")
+    prompt.free_text = True  # Parser: `--prompt "-5 degrees"` is a prompt, not a flag
     gen.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate at most")
     gen.add_argument("--temperature", type=float, default=0.8, help="0 for greedy decoding")
     gen.add_argument("--top-k", type=int, help="sample among the k most likely tokens only")

@@ -98,6 +98,26 @@ class Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
+    def parse_known_args(self, args=None, namespace=None):
+        """As argparse, but the value of a free-text flag (an action marked ``free_text``, e.g. ``--prompt``) may be
+        any text: argparse reads a value that begins with '-' (``-5 degrees``) as another flag, and drops a value
+        ``--``, so each such value is parsed as a stand-in (a NUL, which no command line holds, and its place) and
+        put back after."""
+        free = [a for a in self._actions if getattr(a, "free_text", False)]
+        kept = {}
+        if free and args is not None:
+            args = list(args)
+            flags = {o for a in free for o in a.option_strings}
+            for i in range(len(args) - 1):
+                if args[i] in flags and "--" not in args[:i]:
+                    kept[f"\0{i}"], args[i + 1] = args[i + 1], f"\0{i}"
+        namespace, rest = super().parse_known_args(args, namespace)
+        for action in free:
+            value = getattr(namespace, action.dest, None)
+            if isinstance(value, str) and value in kept:
+                setattr(namespace, action.dest, kept[value])
+        return namespace, rest
+
 
 def threads_flag(parser) -> None:
     """``--threads N``: the CPU threads of a command that computes; exits.py sets torch's count from it before the
