@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from difftransformer.apps import demo_icl
-from difftransformer.core.model import TransformerLM
+from difftransformer.core.model import TransformerLM, count_parameters
 from difftransformer.errors import InputError, Interrupted
 from difftransformer.fsutil import shell, write_json, write_text_atomic
 from difftransformer.inference.generate import generate
@@ -280,9 +280,11 @@ def run_demo(
 def _introduce(trainers: dict[str, Trainer], steps: int, seq_len: int, batch_size: int) -> None:
     """What the models are, what the demo does and how to read its table."""
     diff, std = trainers["diff"].model, trainers["standard"].model
+    own = count_parameters(diff.config, exclude_embeddings=True) / 1e6
     print(
         "part 2 of 2, language models: tiny DIFF and standard models trained on text, where the project's studies "
-        f"find the paper's V1 behind at this size (the study's numbers are printed at the end); {EXPECTED}"
+        f"find the paper's V1 behind at a smaller size (267k non-embedding parameters, these {own:.1f}M; the "
+        f"study's numbers are printed at the end); {EXPECTED}"
     )
     n_diff, n_std = diff.num_parameters(), std.num_parameters()
     vocab, width = diff.config.vocab_size, diff.config.d_model
@@ -365,8 +367,8 @@ def study_context(path: Path = STUDY, norm_path: Path | None = NORM_STUDY) -> li
     if len(lines) == 1:
         lines.append("  (its grid is not complete yet)")
     lines.append(
-        "  the paper's advantage was measured at 0.8B-13B parameters and billions of tokens; at this size the study "
-        "above is the number to compare with, not the paper's"
+        "  the paper's advantage was measured at 0.8B-13B parameters and billions of tokens; at small sizes the "
+        "study above is the number to compare with, not the paper's"
     )
     return lines
 
