@@ -342,3 +342,65 @@ def test_the_rule_computes_on_the_cpu_under_any_default_device():
     assert inside == config.head_norm_gains()
     fresh()
     assert count_parameters(config) == count_parameters(dataclasses.replace(config, head_norm_gain=None))
+
+
+@pytest.fixture(scope="module")
+def alternating(tmp_path_factory):
+    """Data of one document "abab...": in any window of an even number T of its tokens each byte fills T/2 places,
+    so two places hold the same token with probability (T/2 - 1) / (T - 1), 15/31 at T = 32."""
+    from difftransformer.store.data import prepare
+    from difftransformer.store.tokenizer import ByteTokenizer
+
+    out = tmp_path_factory.mktemp("alternating") / "data"
+    prepare(["ab" * 20_000], ByteTokenizer(), out, val_every=10)
+    return out
+
+
+def _train_matched(data, out, capsys, model: dict, *extra: str) -> tuple[ModelConfig, str]:
+    import json
+
+    from conftest import train_args
+
+    from difftransformer.apps.cli import main
+
+    flags = train_args(data, model=json.dumps({**SMALL_MATCHED, **model}), max_steps=2, eval_interval=2)
+    assert main(["train", *flags, "--out", str(out), *extra]) == 0
+    return ModelConfig.from_json(out / "model_config.json"), capsys.readouterr().out
+
+
+SMALL_MATCHED = {"d_model": 64, "n_layers": 2, "n_heads": 4, "max_seq_len": 32, "head_norm_gain": "matched"}
+
+
+def test_difftx_train_measures_the_collision_and_the_run_keeps_it(alternating, tmp_path, capsys):
+    """#58 item 4: with the matched gain and no collision given, `difftx train` measures the training data's token
+    collision at the model's context before the model is built, says so, and records it in the run's config; a
+    resume keeps it, and the loaded model's config gives the same gains. A collision given is kept as given."""
+    from difftransformer.store.runs import load_run
+
+    config, printed = _train_matched(alternating, tmp_path / "run", capsys, {})
+    assert abs(config.head_norm_collision - 15 / 31) < 0.002, config.head_norm_collision  # one EOT at most
+    assert f"(head_norm_collision) is {config.head_norm_collision:.4f}, measured on " in printed
+    assert "windows of 32 tokens" in printed
+    assert _resume(tmp_path / "run", capsys) == config
+    assert load_run(tmp_path / "run")[0].config.head_norm_gains() == config.head_norm_gains()
+    given, printed = _train_matched(alternating, tmp_path / "given", capsys, {"head_norm_collision": 0.3})
+    assert given.head_norm_collision == 0.3 and "head_norm_collision" not in printed
+
+
+def _resume(run, capsys) -> ModelConfig:
+    from difftransformer.apps.cli import main
+
+    assert main(["train", "--resume", str(run), "--max-steps", "3", "--quiet"]) == 0
+    assert "head_norm_collision" not in capsys.readouterr().out  # not measured again
+    return ModelConfig.from_json(run / "model_config.json")
+
+
+def test_the_library_keeps_zipfs_default(alternating, tmp_path):
+    """The Python API measures nothing: a TrainConfig with the matched gain and no collision trains with Zipf's law
+    (the docstring of token_collision says when to measure)."""
+    from conftest import small_config
+
+    from difftransformer.training.loop import train
+
+    train(small_config(alternating, tmp_path / "run", max_steps=1, model=SMALL_MATCHED, seq_len=32), quiet=True)
+    assert ModelConfig.from_json(tmp_path / "run" / "model_config.json").head_norm_collision is None

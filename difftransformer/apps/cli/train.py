@@ -81,6 +81,8 @@ def _train(args: argparse.Namespace) -> int:
     if args.print_config:
         print(to_toml(dataclasses.asdict(cfg) | ({} if cfg.data != _NO_DATA else {"data": None})), end="")
         return 0
+    if not resume and not cfg.init_from and (said := _measure_collision(cfg)) and os.environ.get("RANK", "0") == "0":
+        print(said, flush=True)
     try:
         trainer = Trainer(cfg, resume=resume, quiet=args.quiet)
     except TrainingDiverged as err:  # the run's newest checkpoint is not healthy
@@ -172,6 +174,33 @@ def _summary(trainer, rows: list[dict]) -> None:
     print(
         f"next: difftx generate --run {shell(sample)} --prompt 'Your text' (to train further: difftx train --resume "
         f"{shell(cfg.out)} --max-steps N)"
+    )
+
+
+COLLISION_WINDOWS = 64  # windows of the model's context the matched gain's token statistic is measured on, at most
+
+
+def _measure_collision(cfg: TrainConfig) -> str | None:
+    """With the per-head norm's matched gain and no ``head_norm_collision`` given, the rule's one input measured on
+    the training data: ``token_collision`` over up to COLLISION_WINDOWS evenly spaced windows of the model's context
+    (the library's default, Zipf's law, is a guess that can be 2 times off). Set into ``cfg.model``, so the run's
+    model_config.json records it and a resume, an export or a load rebuilds the same gains. Returns the line that
+    says so; None when there is nothing to measure."""
+    from difftransformer.core.head_norm_gain import token_collision, zipf_collision
+    from difftransformer.store.data import TokenData, eval_windows
+
+    data = TokenData(cfg.data, "train")
+    model = cfg.model_config(data.manifest["tokenizer"]["vocab_size"])
+    if model.head_norm_gain != "matched" or model.head_norm_collision is not None:
+        return None
+    length = min(model.max_seq_len, data.n_tokens - 1)
+    windows = eval_windows(data, length - 1, COLLISION_WINDOWS * (length - 1))
+    collision = token_collision(windows)
+    cfg.model = {**cfg.model, "head_norm_collision": collision}
+    return (
+        f"difftx train: the matched gain's token statistic (head_norm_collision) is {collision:.4f}, measured on "
+        f"{len(windows)} windows of {length} tokens of {cfg.data}'s training split (Zipf's law would give "
+        f"{zipf_collision(model.vocab_size):.4f}); the run records it"
     )
 
 
