@@ -180,11 +180,18 @@ def test_bench_threads_times_each_piece_of_work_at_both_counts(tmp_path, capsys,
 
 @pytest.mark.slow  # a process or more of its own (the fast tier, make test-quick, stays within a minute)
 def test_bench_context_measures_each_t_in_its_own_process_and_resumes(tmp_path, capsys, monkeypatch):
+    """Run as `difftx bench context --help`'s example prints it, at a cut size (tests/test_cli_examples.py leaves it
+    to this test)."""
     from difftransformer.apps import bench_context
+    from difftransformer.apps.cli import build_parser
+    from difftransformer.apps.cli.parsing import leaf_commands
 
-    store = tmp_path / "context.json"
-    args = ["bench", "context", "--preset", "tiny", "--seq", "64", "--repeats", "1", "--kinds", "prefill"]
-    assert main([*args, "--json", str(store)]) == 0
+    (example,) = dict(leaf_commands(build_parser()))[("bench", "context")].epilog.splitlines()[1:]
+    assert example.strip() == "difftx bench context --preset tiny --json context-tiny.json"
+    monkeypatch.chdir(tmp_path)
+    store = tmp_path / "context-tiny.json"
+    args = [*example.split()[1:], "--seq", "64", "--repeats", "1", "--kinds", "prefill"]
+    assert main(args) == 0
     out, err = capsys.readouterr()
     assert "| 64 |" in out
     if importlib.util.find_spec("matplotlib") is None:  # the floor environment: the results stand, no figure
@@ -199,9 +206,9 @@ def test_bench_context_measures_each_t_in_its_own_process_and_resumes(tmp_path, 
         raise AssertionError(f"measured again: {job}")
 
     monkeypatch.setattr(bench_context, "_measure", no_child)  # a rerun resumes: nothing measured twice
-    assert main([*args, "--json", str(store)]) == 0
+    assert main(args) == 0
     assert json.loads(store.read_text())["rows"] == rows
-    assert f"continuing the study in {store} ({len(rows)} measurements kept)" in capsys.readouterr().err
+    assert f"continuing the study in {store.name} ({len(rows)} measurements kept)" in capsys.readouterr().err
     assert main(["bench", "context", "--preset", "small", "--seq", "64", "--json", str(store)]) != 0
     assert "holds another study" in capsys.readouterr().err
     assert main(["bench", "context", "--preset", "tiny"]) != 0  # the store is needed

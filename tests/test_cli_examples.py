@@ -37,7 +37,6 @@ SMALLER = {
     ("bench", "decode"): ["--preset", "tiny", "--context", "16", "--tokens", "2", "--repeats", "1"],
     ("bench", "quantized"): ["--context", "16", "--tokens", "2", "--repeats", "1"],
     ("bench", "threads"): ["--preset", "tiny", "--seq", "32", "--batch", "1", "--repeats", "1"],
-    ("bench", "context"): ["--seq", "16", "--repeats", "1"],  # each T is 3 processes: one T
     ("repro",): ["--seeds", "1", "--steps", "2", "--workers", "1"],
     ("analyze", "outliers"): ["--tokens", "128", "--batch", "1"],
 }
@@ -49,6 +48,8 @@ NOT_RUN = {
     "test_lm_study.py runs the study at its toy scale)",
     "difftx bench load --threads 2 --json load.json": "tests/test_threads.py runs it as printed, at a cut size, "
     "and checks what each of its processes ran at",
+    "difftx bench context --preset tiny --json context-tiny.json": "tests/test_bench.py runs it as printed, at a cut "
+    "size, and resumes it",
     "difftx presets --gains": "a minute of mean-field propagation for the large presets (tests/test_head_norm_gain.py "
     "checks the gains it prints)",
 }
