@@ -404,3 +404,15 @@ def test_the_library_keeps_zipfs_default(alternating, tmp_path):
 
     train(small_config(alternating, tmp_path / "run", max_steps=1, model=SMALL_MATCHED, seq_len=32), quiet=True)
     assert ModelConfig.from_json(tmp_path / "run" / "model_config.json").head_norm_collision is None
+
+
+def test_a_config_files_model_error_names_the_file_before_the_collision_is_measured(alternating, tmp_path, capsys):
+    """Measuring the collision reads the model config before the Trainer does: an error in it still names the
+    config file it came from, as the Trainer's does (it named --model, a flag not given)."""
+    from difftransformer.apps.cli import main
+
+    config = tmp_path / "c.toml"
+    config.write_text('[model]\nvocab_size = 999\nhead_norm_gain = "matched"\n')
+    argv = ["train", "--config", str(config), "--data", str(alternating), "--out", str(tmp_path / "run"), "--quiet"]
+    assert main(argv) == 2
+    assert capsys.readouterr().err.startswith(f"difftx train: error: {config}: model sets vocab_size 999")

@@ -81,9 +81,11 @@ def _train(args: argparse.Namespace) -> int:
     if args.print_config:
         print(to_toml(dataclasses.asdict(cfg) | ({} if cfg.data != _NO_DATA else {"data": None})), end="")
         return 0
-    if not resume and not cfg.init_from and (said := _measure_collision(cfg)) and os.environ.get("RANK", "0") == "0":
-        print(said, flush=True)
     try:
+        # the model config is read here first: its errors take the same path as the Trainer's below
+        said = None if resume or cfg.init_from else _measure_collision(cfg)
+        if said and os.environ.get("RANK", "0") == "0":
+            print(said, flush=True)
         trainer = Trainer(cfg, resume=resume, quiet=args.quiet)
     except TrainingDiverged as err:  # the run's newest checkpoint is not healthy
         return _diverged(err, cfg, main=os.environ.get("RANK", "0") == "0")
